@@ -1,0 +1,19 @@
+# fedhisto: stain-aware parameter-efficient federated learning for lung histopathology.
+# Stages are included in pipeline order; each lives in workflow/rules/<stage>.smk,
+# src/fedhisto/<stage>.py, scripts/<stage>.py and writes results/<stage>/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/cohort.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

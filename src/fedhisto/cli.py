@@ -1,0 +1,75 @@
+"""``fedhisto``: the human-facing command line (stages also run through Snakemake)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fedhisto import __version__
+from fedhisto.config import ConfigError, json_schema_text, load_config_file
+from fedhisto.sources import SourceError
+
+SCHEMA_PATH = Path("workflow/schemas/config.schema.json")
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    text = json_schema_text()
+    if args.write:
+        from fedhisto.atomic import write_text
+
+        write_text(args.write, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = load_config_file(args.config)
+    print(f"{args.config}: valid (cohort mode {cfg.cohort.mode})")
+    return 0
+
+
+def _cmd_cohort(args: argparse.Namespace) -> int:
+    from fedhisto.cohort import run_cohort
+    from fedhisto.entry import setup_logging
+
+    setup_logging()
+    summary = run_cohort(load_config_file(args.config).cohort, args.out, threads=args.threads)
+    print(json.dumps({"images": summary["images"], "listed": summary["listed"]}, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedhisto", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fedhisto {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("schema", help="print (or --write) the config JSON schema generated from the typed config")
+    p.add_argument("--write", metavar="PATH", help=f"write it here (the workflow reads {SCHEMA_PATH})")
+    p.set_defaults(func=_cmd_schema)
+
+    p = sub.add_parser("check-config", help="validate a config file and explain every problem")
+    p.add_argument("config")
+    p.set_defaults(func=_cmd_check_config)
+
+    p = sub.add_parser("cohort", help="build results/cohort (synthetic or real sources) without Snakemake")
+    p.add_argument("--config", default="config/config.yaml")
+    p.add_argument("--out", default="results/cohort")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=_cmd_cohort)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, SourceError) as exc:
+        print(f"fedhisto: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

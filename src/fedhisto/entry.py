@@ -1,0 +1,39 @@
+"""Glue shared by the thin entry scripts in ``scripts/``: logging and config from Snakemake or argv."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedhisto.config import Config, load_config, load_config_file
+
+
+def setup_logging(log_path: str | None = None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_path, mode="w"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=handlers, force=True)
+
+
+def from_snakemake(smk: Any) -> Config:
+    """Typed config from a Snakemake ``snakemake`` object, with the rule's log set up."""
+    setup_logging(smk.log[0] if len(smk.log) else None)
+    return load_config(dict(smk.config), source="snakemake config")
+
+
+def from_argv(description: str, argv: list[str] | None = None, **extra: str) -> tuple[Config, argparse.Namespace]:
+    """Parse ``--config`` plus the script's own ``--NAME`` options (``extra``: name -> help)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default="config/config.yaml", help="YAML config (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--log", default=None, help="also write the log here")
+    for name, help_text in extra.items():
+        parser.add_argument(f"--{name}", required=True, help=help_text)
+    args = parser.parse_args(argv)
+    setup_logging(args.log)
+    return load_config_file(args.config), args

@@ -1,0 +1,1 @@
+"""Embedded synthetic H&E cohort: morphology, Beer-Lambert staining, sites, planted duplicates."""

@@ -1,0 +1,60 @@
+"""Cohort sizes: how many originals each synthetic site renders per class.
+
+A profile states the partition targets (client pools, global validation and test) and the
+external cohort. Client ``Ck`` draws its pool from ``site{k}``; the global validation and
+test images are spread over the sites that carry each class (site5, the WSSS4LUAD-like
+source, has no SCC), so every partition mixes stains the way the study's corpus mixes sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedhisto import CLASSES
+
+Counts = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class CohortProfile:
+    clients: dict[str, Counts]   # pre-holdout pools, C1..C5
+    validation: Counts
+    test: Counts
+    external: Counts
+
+    @property
+    def internal_total(self) -> int:
+        return sum(map(sum, self.clients.values())) + sum(self.validation) + sum(self.test)
+
+    def site_counts(self) -> dict[str, dict[str, int]]:
+        """Originals per internal site and class: the client's pool plus its share of val/test."""
+        sites = {f"site{k + 1}": dict(zip(CLASSES, pool, strict=True))
+                 for k, pool in enumerate(self.clients.values())}
+        for c, cls in enumerate(CLASSES):
+            carriers = [s for s, counts in sites.items() if counts[cls] > 0]
+            extra = self.validation[c] + self.test[c]
+            base, rem = divmod(extra, len(carriers))
+            for i, s in enumerate(carriers):
+                sites[s][cls] += base + (1 if i < rem else 0)
+        return sites
+
+
+PROFILES: dict[str, CohortProfile] = {
+    # Table 2 of the study: 8,922 internal images; LungHist700-sized external cohort.
+    "paper": CohortProfile(
+        clients={"C1": (229, 208, 293), "C2": (485, 439, 65), "C3": (187, 172, 318),
+                 "C4": (64, 58, 553), "C5": (1181, 1831, 0)},
+        validation=(472, 474, 473),
+        test=(473, 475, 472),
+        external=(280, 151, 260),
+    ),
+    # Same skew pattern (C1 balanced, C2 SCC-minority, C3 SCC-enriched, C4 SCC-majority,
+    # C5 SCC-absent) at a size that trains every method on 2 CPU cores in minutes.
+    "small": CohortProfile(
+        clients={"C1": (12, 11, 14), "C2": (22, 20, 4), "C3": (9, 9, 16),
+                 "C4": (4, 4, 26), "C5": (26, 38, 0)},
+        validation=(12, 12, 12),
+        test=(12, 12, 12),
+        external=(24, 16, 24),
+    ),
+}

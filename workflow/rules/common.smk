@@ -1,0 +1,22 @@
+# Parse-time configuration checks: the JSON schema first (house style), then the typed
+# per-stage models, whose errors name the dotted key and the allowed values.
+from snakemake.utils import validate
+
+from fedhisto.config import load_config
+
+
+validate(config, schema="../schemas/config.schema.json", set_default=False)
+CFG = load_config(config, source="config (after --configfile/--config overrides)")
+
+ENV = "../../envs/fedhisto.yaml"
+
+
+def cohort_outputs():
+    common = ["results/cohort/sources.csv", "results/cohort/contact_sheet.png", "results/cohort/summary.json"]
+    if CFG.cohort.mode == "synthetic":
+        return common + ["results/cohort/planted_families.csv"]
+    return common + ["results/cohort/excluded.csv"]
+
+
+def all_targets():
+    return cohort_outputs()
