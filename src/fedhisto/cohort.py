@@ -98,7 +98,9 @@ def plan_cohort(cfg: SyntheticCohort) -> list[Member]:
                 others = [s for s in carriers[orig.label] if s != site]
                 target = str(rng.choice(others)) if others and rng.random() < planted.cross_site_probability else site
                 diff, mag = orig.differentiation, orig.magnification
-                if target == "external" and site != "external":
+                if target != "external":  # internal sources carry no such metadata
+                    diff, mag = "", ""
+                elif site != "external":
                     diff = "" if orig.label == "Normal" else str(rng.choice(["well", "moderately", "poorly"]))
                     mag = str(rng.choice(["20x", "40x"]))
                 copies.append(Member(target, orig.label, len(originals) + len(copies), diff, mag, family,
@@ -106,14 +108,19 @@ def plan_cohort(cfg: SyntheticCohort) -> list[Member]:
             family += 1
     members = originals + copies
     _assign_names(members, rng)
+    names = Counter(m.relpath for m in members)
+    clash = [n for n, k in names.items() if k > 1]
+    if clash:  # a clash would silently overwrite an image; fail loudly instead
+        raise RuntimeError(f"synthetic cohort plan gives several images the same path: {clash[:5]}")
     return members
 
 
 def _assign_names(members: list[Member], rng: np.random.Generator) -> None:
     """Dataset-shaped file names, numbered in shuffled order so a name never reveals a copy."""
     groups: dict[tuple[str, str, str, str], list[Member]] = {}
-    for m in members:
-        groups.setdefault((m.site, m.label, m.differentiation, m.magnification), []).append(m)
+    for m in members:  # internal names carry only the class; external names also grade and magnification
+        key = (m.site, m.label, m.differentiation, m.magnification) if m.site == "external" else (m.site, m.label, "", "")
+        groups.setdefault(key, []).append(m)
     for (site, cls, diff, mag), group in groups.items():
         numbers = rng.permutation(len(group)) + 1
         for m, n in zip(group, numbers, strict=True):

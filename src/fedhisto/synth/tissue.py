@@ -109,7 +109,7 @@ def aca(rng: np.random.Generator, size: int, scale: float, grade: float) -> tupl
 def scc(rng: np.random.Generator, size: int, scale: float, grade: float) -> tuple[np.ndarray, np.ndarray]:
     h, e = _stroma(rng, size, scale)
     nest = smooth_noise(rng, size, 10 * scale) > 0.32
-    seeds, owner, gap = voronoi(rng, size, int((size / (11 * scale)) ** 2), jitter=0.6 + 0.4 * grade)
+    seeds, _owner, gap = voronoi(rng, size, int((size / (11 * scale)) ** 2), jitter=0.6 + 0.4 * grade)
     cytoplasm = 0.62 + 0.18 * smooth_noise(rng, size, 0.8 * scale)
     border = gap < 1.2 * scale
     e_nest = np.where(border, 0.95, cytoplasm)
@@ -141,7 +141,7 @@ def scc(rng: np.random.Generator, size: int, scale: float, grade: float) -> tupl
 
 def normal(rng: np.random.Generator, size: int, scale: float, grade: float) -> tuple[np.ndarray, np.ndarray]:
     del grade  # normal tissue has no differentiation grade
-    seeds, owner, gap = voronoi(rng, size, int((size / (30 * scale)) ** 2) + 2, jitter=0.9)
+    _seeds, _owner, gap = voronoi(rng, size, int((size / (30 * scale)) ** 2) + 2, jitter=0.9)
     wall_w = (1.3 + 1.8 * smooth_noise(rng, size, 4 * scale)) * scale
     wall = gap < wall_w
     e = np.where(wall, 0.45 + 0.25 * smooth_noise(rng, size, 1.0 * scale), 0.015)

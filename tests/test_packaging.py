@@ -1,0 +1,76 @@
+"""The project's own hygiene: README / CI agreement, conda env vs pyproject, ruff, snakemake --lint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+# pip name -> conda-forge name where they differ
+CONDA_NAMES = {"torch": "pytorch", "snakemake": "snakemake-minimal", "matplotlib": "matplotlib-base",
+               "opencv-python-headless": "py-opencv"}
+
+
+def readme_commands(repo: Path) -> list[str]:
+    text = (repo / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+    return [b.strip() for b in blocks[:2]]
+
+
+def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: Path):
+    run_cmd, test_cmd = readme_commands(repo)
+    assert "pip install torch==2.13.0" in run_cmd and "snakemake --cores" in run_cmd and " all" in run_cmd
+    assert "pip install torch==2.13.0" in test_cmd and "pytest" in test_cmd
+    ci_lines = [ln for ln in (repo / ".ci/run").read_text().splitlines() if ln and not ln.startswith(("#", "set ", "cd "))]
+    assert ci_lines == [test_cmd]
+
+
+def _requirement(spec: str) -> tuple[str, str]:
+    m = re.match(r"^([A-Za-z0-9_.\-]+)\s*(.*)$", spec)
+    assert m, spec
+    return m.group(1).lower(), m.group(2).replace(" ", "")
+
+
+def test_conda_env_matches_pyproject(repo: Path):
+    deps = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+    env = yaml.safe_load((repo / "envs/fedhisto.yaml").read_text())
+    conda = dict(_requirement(d) for d in env["dependencies"] if isinstance(d, str))
+    for dep in deps:
+        name, bounds = _requirement(dep)
+        conda_name = CONDA_NAMES.get(name, name)
+        assert conda_name in conda, f"{name} ({conda_name}) missing from envs/fedhisto.yaml"
+        assert conda[conda_name] == bounds, f"{conda_name}: conda '{conda[conda_name]}' vs pyproject '{bounds}'"
+    assert any(isinstance(d, dict) and "-e .." in d.get("pip", []) for d in env["dependencies"])
+
+
+def test_ruff_clean(repo: Path):
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.fail("ruff not installed: pip install -e '.[test]'")
+    proc = subprocess.run([ruff, "check", "src", "tests", "scripts"], cwd=repo, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_snakemake_lint_clean(repo: Path, snakemake_bin: str):
+    proc = subprocess.run([snakemake_bin, "--lint"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Congratulations" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_every_rule_declares_log_and_resources(repo: Path):
+    for smk in (repo / "workflow/rules").glob("*.smk"):
+        text = smk.read_text()
+        for rule in re.split(r"\n\s*rule ", text)[1:]:
+            name = rule.split(":")[0]
+            for directive in ("log:", "resources:", "mem_mb=", "runtime=", "gpu="):
+                assert directive in rule, f"{smk.name}: rule {name} lacks {directive}"
+
+
+def test_console_script_runs():
+    proc = subprocess.run([sys.executable, "-m", "fedhisto.cli", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("fedhisto ")

@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+import hashlib
+import io
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedhisto import CLASSES
+from fedhisto.cohort import plan_cohort, run_cohort
+from fedhisto.config import CohortConfig, SyntheticCohort
+from fedhisto.sources import read_sources_csv
+from fedhisto.synth.families import encode_jpeg, make_copy, rotate_zoom
+from fedhisto.synth.profiles import PROFILES
+from fedhisto.synth.stain import SITE_STYLES, od_to_rgb, render_rgb, rgb_to_od
+from fedhisto.synth.tissue import tissue
+
+SMALL = CohortConfig(synthetic=SyntheticCohort(profile="small"))
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.name.endswith(".prov.json")
+            and p.name != "summary.json"}
+
+
+@pytest.fixture(scope="module")
+def small_cohort(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cohort")
+    run_cohort(SMALL, out, threads=2)
+    return out
+
+
+def test_same_seed_same_bytes_whatever_the_workers(small_cohort: Path, tmp_path: Path):
+    run_cohort(SMALL, tmp_path, threads=1)
+    a, b = tree_digest(tmp_path), tree_digest(small_cohort)
+    assert a.pop("sources.csv") != b.pop("sources.csv")  # differs only through the output folder in `path`
+    assert a == b and len(a) > 400
+
+    def strip(rows):
+        return [(r.relpath, r.label, r.site, r.cohort, r.differentiation, r.magnification) for r in rows]
+
+    assert strip(read_sources_csv(tmp_path / "sources.csv")) == strip(read_sources_csv(small_cohort / "sources.csv"))
+
+
+def test_other_seed_other_images():
+    a = plan_cohort(SyntheticCohort(seed=1))
+    b = plan_cohort(SyntheticCohort(seed=2))
+    assert [m.relpath for m in a] != [m.relpath for m in b]
+
+
+@pytest.mark.parametrize("profile", ["small", "paper"])
+def test_originals_land_exactly_on_the_profile(profile: str):
+    members = plan_cohort(SyntheticCohort(profile=profile))
+    p = PROFILES[profile]
+    originals = [m for m in members if not m.transform]
+    internal = Counter(m.label for m in originals if m.cohort == "internal")
+    external = Counter(m.label for m in originals if m.cohort == "external")
+    assert sum(internal.values()) == p.internal_total
+    assert tuple(external[c] for c in CLASSES) == p.external
+    expected_internal = [sum(pool[c] for pool in p.clients.values()) + p.validation[c] + p.test[c]
+                         for c in range(3)]
+    assert [internal[c] for c in CLASSES] == expected_internal
+    per_site = Counter((m.site, m.label) for m in originals)
+    for k, pool in enumerate(p.clients.values(), start=1):
+        for c, cls in enumerate(CLASSES):
+            assert per_site[(f"site{k}", cls)] >= pool[c]  # each client's pool fits its own site
+    assert per_site[("site5", "SCC")] == 0  # C5's source has no SCC at all
+
+
+def test_paper_profile_sizes():
+    p = PROFILES["paper"]
+    assert p.internal_total == 8922
+    assert p.external == (280, 151, 260)
+
+
+def test_planted_ground_truth(small_cohort: Path):
+    import csv
+
+    rows = read_sources_csv(small_cohort / "sources.csv")
+    listed = {r.relpath: r for r in rows}
+    with (small_cohort / "planted_families.csv").open() as fh:
+        planted = list(csv.DictReader(fh))
+    families: dict[str, list[dict]] = {}
+    for rec in planted:
+        families.setdefault(rec["family"], []).append(rec)
+        assert rec["relpath"] in listed and listed[rec["relpath"]].label == rec["label"]
+    assert {rec["transform"] for rec in planted if rec["role"] == "copy"} == set(SMALL.synthetic.planted.transforms)
+    for fam in families.values():
+        assert sum(r["role"] == "original" for r in fam) == 1 and len(fam) >= 2
+        assert len({r["label"] for r in fam}) == 1
+    assert any(len({r["site"] for r in fam}) > 1 for fam in families.values()), "no family crosses sites"
+    assert any({r["cohort"] for r in fam} == {"internal", "external"} for fam in families.values())
+    # originals precede every planted copy in sources.csv, so first-listed representatives are the originals
+    order = {r.relpath: i for i, r in enumerate(rows)}
+    copies = [order[r["relpath"]] for r in planted if r["role"] == "copy"]
+    n_originals = sum(map(sum, (list(v.values()) for v in __import__("json").loads(
+        (small_cohort / "summary.json").read_text())["originals"].values())))
+    assert min(copies) == n_originals
+    exact = [r for r in planted if r["transform"] == "exact"]
+    for r in exact:
+        assert (small_cohort / "images" / r["relpath"]).read_bytes() == \
+            (small_cohort / "images" / r["original_relpath"]).read_bytes()
+
+
+def test_external_names_and_metadata_follow_lunghist700(small_cohort: Path):
+    rows = [r for r in read_sources_csv(small_cohort / "sources.csv") if r.cohort == "external"]
+    assert rows
+    for r in rows:
+        name = Path(r.relpath).name
+        assert name.split("_")[0] == {"ACA": "aca", "Normal": "nor", "SCC": "scc"}[r.label]
+        assert r.magnification in ("20x", "40x") and r.magnification in name
+        assert (r.differentiation == "") == (r.label == "Normal")
+
+
+def test_images_look_stained():
+    """H&E absorbs green most: tissue OD must be largest in green and the tile mostly non-white."""
+    for cls in CLASSES:
+        rng = np.random.default_rng(0)
+        h, e = tissue(cls, rng, 128, 1.0)
+        rgb = render_rgb(h, e, SITE_STYLES["site1"], rng)
+        od = rgb_to_od(rgb).reshape(-1, 3)
+        tissue_px = od[(od > 0.15).any(1)]
+        # Normal lung is mostly empty air space; the tumours are mostly tissue
+        assert len(tissue_px) > (0.05 if cls == "Normal" else 0.6) * len(od)
+        mean = tissue_px.mean(0)
+        assert mean[1] > mean[0] and mean[1] > mean[2]
+
+
+def test_classes_differ_in_morphology():
+    """Nuclear (hematoxylin) area orders SCC > ACA > Normal; Normal is mostly empty air space."""
+    def fractions(cls: str) -> tuple[float, float]:
+        vals = [tissue(cls, np.random.default_rng(s), 128, 1.0) for s in range(4)]
+        nuc = np.mean([(h > 0.5).mean() for h, _ in vals])
+        empty = np.mean([((h < 0.05) & (e < 0.05)).mean() for h, e in vals])
+        return float(nuc), float(empty)
+
+    (aca_n, aca_e), (nor_n, nor_e), (scc_n, _) = (fractions(c) for c in CLASSES)
+    assert scc_n > aca_n > nor_n
+    assert nor_e > 0.5 > aca_e
+
+
+def test_od_round_trip_is_lossless_to_one_grey_level():
+    rgb = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    assert np.abs(od_to_rgb(rgb_to_od(rgb)).astype(int) - rgb).max() <= 1
+
+
+@pytest.mark.parametrize("angle", [-25.0, -7.5, 12.0, 25.0])
+def test_rotate_zoom_keeps_size_and_has_no_fill(angle: float):
+    img = Image.new("RGB", (128, 128), (200, 50, 120))
+    out = rotate_zoom(img, angle)
+    arr = np.asarray(out)
+    assert out.size == (128, 128)
+    assert arr.min(axis=(0, 1)).tolist()[0] > 150  # no black corner fill survived the crop
+
+
+@pytest.mark.parametrize("transform", ["exact", "jpeg", "resize", "dihedral", "rotate_zoom", "crop", "stain_shift"])
+def test_every_copy_transform_yields_a_readable_image(transform: str):
+    rng = np.random.default_rng(3)
+    h, e = tissue("ACA", rng, 96, 0.75)
+    original = encode_jpeg(Image.fromarray(render_rgb(h, e, SITE_STYLES["site2"], rng)), 90)
+    data, detail = make_copy(original, transform, np.random.default_rng(1), 25.0, 90)
+    assert detail
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        assert img.mode == "RGB"
+    assert (data == original) == (transform == "exact")
