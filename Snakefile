@@ -11,6 +11,7 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/cohort.smk"
+include: "workflow/rules/accounting.smk"
 
 
 rule all:

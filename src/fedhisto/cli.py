@@ -41,6 +41,13 @@ def _cmd_cohort(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_model_card(args: argparse.Namespace) -> int:
+    from fedhisto.model.card import model_card
+
+    print(json.dumps(model_card(args.encoder, args.method), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedhisto", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fedhisto {__version__}")
@@ -59,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/cohort")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_cmd_cohort)
+
+    from fedhisto.methods import METHODS
+    from fedhisto.model.encoder import ENCODER_SHAPES
+
+    p = sub.add_parser("model-card", help="parameter counts of a method's model as JSON (no weights downloaded)")
+    p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="hibou-b")
+    p.add_argument("--method", choices=list(METHODS), default="past_v2")
+    p.set_defaults(func=_cmd_model_card)
     return parser
 
 

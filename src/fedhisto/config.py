@@ -163,7 +163,8 @@ class ModelConfig(Strict):
     lora_r: int = Field(8, ge=1)
     lora_alpha: float = Field(16, gt=0)
     lora_dropout: float = Field(0.05, ge=0, lt=1)
-    lora_targets: list[str] = Field(default_factory=lambda: ["query", "key", "value", "attention.output.dense"])
+    lora_targets: list[Literal["query", "key", "value", "attention_output"]] = Field(
+        default_factory=lambda: ["query", "key", "value", "attention_output"])
     adapter_hidden: int = Field(256, ge=1)
     adapter_dropout: float = Field(0.10, ge=0, lt=1)
     film_hidden: int = Field(64, ge=1)

@@ -19,4 +19,4 @@ def cohort_outputs():
 
 
 def all_targets():
-    return cohort_outputs()
+    return cohort_outputs() + ["results/accounting/communication.csv"]

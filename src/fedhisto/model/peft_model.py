@@ -1,0 +1,138 @@
+"""The trainable pathway on a frozen encoder: LoRA (through peft), residual adapter, FiLM, classifier.
+
+pixels -> frozen encoder with LoRA on attention query/key/value/output -> CLS embedding
+-> residual adapter -> FiLM(stain descriptor) -> adapted embedding z -> linear classifier.
+z feeds the classifier, feature consistency and the prototypes. Both stain views share every module.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from fedhisto.config import ModelConfig
+
+DESCRIPTOR_DIM = 14
+N_CLASSES = 3
+
+#: Paper names of the LoRA targets -> module-name suffixes in each transformers naming scheme.
+LORA_TARGET_SUFFIXES = {
+    "query": ("attention.q_proj", "attention.attention.query"),
+    "key": ("attention.k_proj", "attention.attention.key"),
+    "value": ("attention.v_proj", "attention.attention.value"),
+    "attention_output": ("attention.o_proj", "attention.output.dense"),
+}
+
+
+class ResidualAdapter(nn.Module):
+    """x + W2 dropout(act(W1 LayerNorm(x))): 768 -> 256 -> 768 with the study's shape."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.down = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(dropout)
+        self.up = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.up(self.drop(self.act(self.down(self.norm(x)))))
+
+
+class FiLM(nn.Module):
+    """Stain-conditioned feature modulation: z * (1 + s * gamma(d)) + s * beta(d), s = 0.10.
+
+    The output layer starts at zero so FiLM begins as the identity and the descriptor's
+    influence is learned, bounded by the fixed modulation scale.
+    """
+
+    def __init__(self, dim: int, hidden: int, scale: float, descriptor_dim: int = DESCRIPTOR_DIM) -> None:
+        super().__init__()
+        self.scale = scale
+        self.hidden = nn.Linear(descriptor_dim, hidden)
+        self.act = nn.GELU()
+        self.out = nn.Linear(hidden, 2 * dim)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, z: torch.Tensor, descriptor: torch.Tensor) -> torch.Tensor:
+        gamma, beta = self.out(self.act(self.hidden(descriptor))).chunk(2, dim=-1)
+        return z * (1 + self.scale * gamma) + self.scale * beta
+
+
+def lora_target_modules(encoder: nn.Module, targets: list[str]) -> list[str]:
+    """Full names of the encoder modules LoRA attaches to, whichever naming the release uses."""
+    names = [n for n, _ in encoder.named_modules()]
+    found: list[str] = []
+    for target in targets:
+        if target not in LORA_TARGET_SUFFIXES:
+            raise ValueError(f"unknown LoRA target {target!r}; allowed: {', '.join(LORA_TARGET_SUFFIXES)}")
+        hits = [n for n in names if n.endswith(LORA_TARGET_SUFFIXES[target])]
+        if not hits:
+            raise ValueError(f"LoRA target {target!r} matches no module of the encoder")
+        found += hits
+    return sorted(found)
+
+
+class FedHistoModel(nn.Module):
+    def __init__(self, encoder: nn.Module, cfg: ModelConfig, film: bool) -> None:
+        super().__init__()
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=lora_target_modules(encoder, cfg.lora_targets), bias="none")
+        self.encoder = inject_adapter_in_model(lora, encoder)
+        for name, p in self.encoder.named_parameters():
+            p.requires_grad_("lora_" in name)
+        dim = encoder.config.hidden_size
+        self.adapter = ResidualAdapter(dim, cfg.adapter_hidden, cfg.adapter_dropout)
+        self.film = FiLM(dim, cfg.film_hidden, cfg.film_scale) if film else None
+        self.classifier = nn.Linear(dim, N_CLASSES)
+        self.lora_scaling = cfg.lora_alpha / cfg.lora_r
+
+    def embed(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> torch.Tensor:
+        cls = self.encoder(pixel_values=pixels).pooler_output
+        z = self.adapter(cls)
+        if self.film is not None:
+            if descriptor is None:
+                raise ValueError("this model has FiLM: pass a stain descriptor (zeros for FiLM-Zero)")
+            z = self.film(z, descriptor.to(z.dtype).expand(z.shape[0], -1))
+        return z
+
+    def forward(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.embed(pixels, descriptor)
+        return self.classifier(z), z
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Exactly what is exchanged and checkpointed: the trainable tensors, detached."""
+        return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        own = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        if set(state) != set(own):
+            missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+            raise ValueError(f"trainable state does not fit the model: missing {missing[:4]}, unexpected {extra[:4]}")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(state[n])
+
+
+def parameter_counts(model: FedHistoModel) -> dict[str, int]:
+    """Parameter counts per component (works on the meta device, so no weights are needed)."""
+    def count(params) -> int:
+        return sum(p.numel() for p in params)
+
+    lora = count(p for n, p in model.encoder.named_parameters() if "lora_" in n)
+    backbone = count(p for n, p in model.encoder.named_parameters() if "lora_" not in n)
+    parts = {
+        "backbone": backbone,
+        "lora": lora,
+        "lora_modules": sum(1 for n, _ in model.encoder.named_modules() if n.endswith("lora_A")),
+        "adapter": count(model.adapter.parameters()),
+        "film": count(model.film.parameters()) if model.film is not None else 0,
+        "classifier": count(model.classifier.parameters()),
+    }
+    parts["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parts["total"] = count(model.parameters())
+    return parts
