@@ -11,6 +11,8 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/cohort.smk"
+include: "workflow/rules/clearance.smk"
+include: "workflow/rules/manifest.smk"
 include: "workflow/rules/accounting.smk"
 
 

@@ -56,3 +56,24 @@ def test_changed_parameter_reruns_its_stage(workdir: Path, repo: Path, snakemake
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "synthesize_cohort" in proc.stdout + proc.stderr
     assert "params" in (proc.stdout + proc.stderr).lower()  # rerun because the parameters changed
+
+
+def test_clearance_recovers_every_planted_family_and_manifest_lands_on_profile(workdir: Path):
+    audit = json.loads((workdir / "results/clearance/audit.json").read_text())
+    assert audit["planted"]["recall"] == 1.0
+    assert audit["planted"]["pairwise"]["precision"] == 1.0
+    assert audit["failures"] == [] and audit["label_conflicts"] == []
+    from fedhisto.synth.profiles import PROFILES
+
+    profile = PROFILES["small"]
+    with (workdir / "results/manifest/composition.csv").open() as fh:
+        comp = {(r["partition"], r["subset"]): (int(r["ACA"]), int(r["Normal"]), int(r["SCC"]))
+                for r in __import__("csv").DictReader(fh)}
+    for client, pool in profile.clients.items():
+        assert comp[(client, "pool")] == pool
+    assert comp[("validation", "all")] == profile.validation and comp[("test", "all")] == profile.test
+    assert comp[("external", "all")] == profile.external
+    assert ("unused", "all") not in comp
+    summary = json.loads((workdir / "results/manifest/manifest.json").read_text())
+    assert summary["boundary_audit"]["cross_boundary_family_edges"] == []
+    assert len(summary["dataset_identity"]) == 64

@@ -88,8 +88,9 @@ class ClearanceConfig(Strict):
     dihedral_invariant: bool = True
     neighbours_per_image: int = Field(12, ge=1, description="candidates proposed per image (scales with corpus)")
     detector: Literal["sift", "orb"] = "sift"
+    n_features: int = Field(400, ge=50, description="keypoints per image for local-feature verification")
     ratio_test: float = Field(0.75, gt=0, lt=1)
-    min_inliers: int = Field(25, ge=4)
+    min_inliers: int = Field(10, ge=4, description="RANSAC inliers that confirm a pair (unrelated tissue: <= 5)")
     family_policy: Literal["representatives", "whole_families"] = "representatives"
 
 

@@ -18,5 +18,14 @@ def cohort_outputs():
     return common + ["results/cohort/excluded.csv"]
 
 
+def planted_input(wildcards):
+    """Ground truth of the planted duplicates, scored by clearance on the synthetic cohort."""
+    return ["results/cohort/planted_families.csv"] if CFG.cohort.mode == "synthetic" else []
+
+
 def all_targets():
-    return cohort_outputs() + ["results/accounting/communication.csv"]
+    return cohort_outputs() + [
+        "results/clearance/report.md",
+        "results/manifest/composition.csv",
+        "results/accounting/communication.csv",
+    ]

@@ -1,0 +1,185 @@
+"""The clearance engine: fingerprints, candidates, verification, families, for any image list."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+
+import numpy as np
+from tqdm import tqdm
+
+from fedhisto.clearance.candidates import bag_of_words, global_descriptor, knn_cosine, knn_pairs
+from fedhisto.clearance.families import UnionFind, components
+from fedhisto.clearance.hashing import dihedral_phashes, exact_groups, phash_pairs, sha256_of
+from fedhisto.clearance.verify import Features, Verdict, extract, make_detector, verify
+from fedhisto.config import ClearanceConfig
+from fedhisto.imageio import load_rgb
+
+log = logging.getLogger(__name__)
+EDGE_COLUMNS = ("a", "b", "stage", "score", "threshold", "decision", "inliers", "min_inliers", "scale",
+                "angle_deg", "mirrored")
+
+# Worker state: set in the parent before forking so children inherit it without pickling.
+_STATE: dict = {}
+
+
+@dataclass
+class Fingerprint:
+    sha256: str
+    phashes: np.ndarray
+    descriptor: np.ndarray
+    features: Features
+    size: tuple[int, int]
+
+
+@dataclass
+class AuditResult:
+    digests: list[str]
+    edges: list[dict]
+    families: list[list[int]]
+    stats: dict = field(default_factory=dict)
+    failures: list[dict] = field(default_factory=list)
+
+
+def _fingerprint(path: str) -> Fingerprint:
+    cfg: ClearanceConfig = _STATE["cfg"]
+    if "detector" not in _STATE:
+        _STATE["detector"] = make_detector(cfg.detector, cfg.n_features)[0]
+    rgb = load_rgb(path)  # raises UnreadableImageError naming the file
+    return Fingerprint(sha256_of(path), dihedral_phashes(rgb, cfg.dihedral_invariant), global_descriptor(rgb),
+                       extract(rgb, _STATE["detector"]), (rgb.shape[1], rgb.shape[0]))
+
+
+def _verify_pair(pair: tuple[int, int]) -> tuple[tuple[int, int], Verdict | str]:
+    cfg: ClearanceConfig = _STATE["cfg"]
+    prints: list[Fingerprint] = _STATE["prints"]
+    try:
+        v = verify(prints[pair[0]].features, prints[pair[1]].features, _STATE["norm"], cfg.ratio_test, cfg.min_inliers)
+    except Exception as exc:  # recorded as an unresolved scoring failure, never as a verdict
+        return pair, f"{type(exc).__name__}: {exc}"
+    return pair, v
+
+
+def _pool_map(fn, items: list, threads: int, desc: str, progress: bool) -> list:
+    bar = tqdm(total=len(items), desc=desc, unit="it", disable=not progress)
+    out = []
+    if threads <= 1 or len(items) < 64:
+        for it in items:
+            out.append(fn(it))
+            bar.update()
+    else:
+        with get_context("fork").Pool(threads) as pool:
+            for res in pool.imap(fn, items, chunksize=16):
+                out.append(res)
+                bar.update()
+    bar.close()
+    return out
+
+
+def _verify_batches(candidates, batch, digests, uf, ph, nn, cfg, edge, failures, verify_map, bar) -> None:
+    """Verify candidates most-similar first; a pair already joined by confirmed edges is 'implied'."""
+    for start in range(0, len(candidates), batch):
+        todo = []
+        for pair in candidates[start:start + batch]:
+            stage = "phash" if pair in ph else "descriptor"
+            score = float(ph[pair]) if pair in ph else nn[pair]
+            threshold = cfg.phash_threshold if pair in ph else 0
+            if digests[pair[0]] == digests[pair[1]]:
+                continue  # already an exact edge
+            if uf.connected(*pair):
+                edge(*pair, stage, score, threshold, "implied")
+                continue
+            todo.append(pair)
+        for pair, verdict in verify_map(todo):
+            stage = "phash" if pair in ph else "descriptor"
+            score = float(ph[pair]) if pair in ph else nn[pair]
+            threshold = cfg.phash_threshold if pair in ph else 0
+            if isinstance(verdict, str):
+                failures.append({"a": pair[0], "b": pair[1], "error": verdict})
+                edge(*pair, stage, score, threshold, "failed")
+                continue
+            ok = verdict.confirmed(cfg.min_inliers)
+            if ok:
+                uf.union(*pair)
+            edge(*pair, stage, score, threshold, "confirmed" if ok else "rejected", verdict)
+        bar.update(min(batch, len(candidates) - start))
+
+
+def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progress: bool = True) -> AuditResult:
+    """Exact, perceptual and local-feature duplicate families over ``paths`` (indices into it)."""
+    t0 = time.perf_counter()
+    _STATE.clear()
+    _STATE["cfg"] = cfg
+    _STATE["norm"] = make_detector(cfg.detector, cfg.n_features)[1]
+    prints: list[Fingerprint] = _pool_map(_fingerprint, paths, threads, "fingerprint", progress)
+    t_fp = time.perf_counter()
+    digests = [p.sha256 for p in prints]
+    uf = UnionFind(len(paths))
+    edges: list[dict] = []
+
+    def edge(a: int, b: int, stage: str, score: float, threshold: float, decision: str, v: Verdict | None = None):
+        edges.append({"a": a, "b": b, "stage": stage, "score": round(score, 6), "threshold": threshold,
+                      "decision": decision, "inliers": v.inliers if v else "", "min_inliers": cfg.min_inliers,
+                      "scale": round(v.scale, 4) if v else "", "angle_deg": round(v.angle_deg, 2) if v else "",
+                      "mirrored": v.mirrored if v else ""})
+
+    for group in exact_groups(digests):
+        for other in group[1:]:
+            uf.union(group[0], other)
+            edge(group[0], other, "exact", 1.0, 1.0, "confirmed")
+
+    hashes = np.stack([p.phashes for p in prints]) if prints else np.zeros((0, 8), np.uint64)
+    ph = {(a, b): d for a, b, d in phash_pairs(hashes, cfg.phash_threshold)}
+    nn: dict[tuple[int, int], float] = {}
+    if len(prints) > 1:
+        # visual words rank transformed relatives best; the global descriptor adds a second opinion
+        nn = knn_pairs(np.stack([p.descriptor for p in prints]), max(cfg.neighbours_per_image // 2, 1))
+        words = bag_of_words([p.features.descriptors for p in prints], [p.features.descriptors_mirror for p in prints])
+        for pair, sim in knn_cosine(words, cfg.neighbours_per_image).items():
+            nn[pair] = max(nn.get(pair, -1.0), sim)
+    t_cand = time.perf_counter()
+    # most similar first, so implied (already connected) pairs are skipped as early as possible
+    candidates = sorted(set(ph) | set(nn), key=lambda p: (p not in ph, -nn.get(p, 0.0), p))
+    _STATE["prints"] = prints
+    failures: list[dict] = []
+    verified = implied = 0
+    batch = max(256, 64 * threads)
+    bar = tqdm(total=len(candidates), desc="verify", unit="pair", disable=not progress)
+    # one pool for every batch, forked after the fingerprints exist so workers inherit them
+    pool = get_context("fork").Pool(threads) if threads > 1 and len(candidates) >= 64 else None
+    verify_map = (lambda items: pool.imap(_verify_pair, items, chunksize=8)) if pool else \
+        (lambda items: map(_verify_pair, items))
+    try:
+        _verify_batches(candidates, batch, digests, uf, ph, nn, cfg, edge, failures, verify_map, bar)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    bar.close()
+    verified = sum(1 for e in edges if e["decision"] in ("confirmed", "rejected", "failed") and e["stage"] != "exact")
+    implied = sum(1 for e in edges if e["decision"] == "implied")
+    _STATE.clear()
+    t_end = time.perf_counter()
+    confirmed = [(e["a"], e["b"]) for e in edges if e["decision"] == "confirmed"]
+    fams = components(len(paths), confirmed)
+    stats = {
+        "images": len(paths),
+        "exact_groups": len(exact_groups(digests)),
+        "phash_pairs": len(ph),
+        "descriptor_pairs": len(nn),  # global-descriptor and visual-word neighbours
+        "candidates": len(candidates),
+        "verified": verified,
+        "implied": implied,
+        "confirmed_by_stage": {s: sum(1 for e in edges if e["stage"] == s and e["decision"] == "confirmed")
+                               for s in ("exact", "phash", "descriptor")},
+        "rejected": sum(1 for e in edges if e["decision"] == "rejected"),
+        "families": sum(1 for f in fams if len(f) > 1),
+        "images_in_families": sum(len(f) for f in fams if len(f) > 1),
+        "largest_family": max((len(f) for f in fams), default=0),
+        "seconds": {"fingerprint": round(t_fp - t0, 2), "candidates": round(t_cand - t_fp, 2),
+                    "verify": round(t_end - t_cand, 2), "total": round(t_end - t0, 2)},
+    }
+    log.info("clearance: %s", stats)
+    return AuditResult(digests, edges, fams, stats, failures)

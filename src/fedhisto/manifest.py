@@ -1,0 +1,214 @@
+"""Stage ``manifest``: canonical manifest, five non-IID clients, fixed validation and test (study 3.2).
+
+1. Keep the images clearance keeps (family representatives, or whole families).
+2. Client pools: client k draws, per class, its target count from its configured sites,
+   in a seeded deterministic order. When the corpus is too small every target is scaled by
+   the same factor (recorded), so the composition keeps its shape.
+3. Global validation, then global test, per class from the internal images left over.
+4. Holdouts per client and available class: ``round(frac * n)`` (Python's half-to-even),
+   keeping at least one optimisation image when n >= 2, seeded shuffle with the split seed.
+5. Boundary audit: no SHA-256 match and no confirmed family edge may join two different
+   protected partitions (client optimisation sets and holdouts, validation, test, external).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from fedhisto import CLASSES
+from fedhisto.atomic import write_json, write_with
+from fedhisto.config import Config, PartitionTargets
+from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.sources import read_sources_csv
+
+STAGE = "manifest"
+MANIFEST_COLUMNS = ("sample_id", "relpath", "path", "label", "source", "site", "cohort", "differentiation",
+                    "magnification", "sha256", "family", "partition", "client", "split")
+
+
+class ManifestError(RuntimeError):
+    """The corpus cannot be partitioned as configured, or a boundary leaks."""
+
+
+def sample_id(relpath: str) -> str:
+    """Stable id from the portable relative path (moving the data keeps ids)."""
+    return hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:16]
+
+
+def holdout_count(n: int, fraction: float) -> int:
+    """``round(frac * n)`` half-to-even, leaving at least one optimisation image when n >= 2."""
+    h = round(fraction * n)
+    return min(h, n - 1) if n >= 2 else h
+
+
+def _order(ids: list[str], seed: int, *stream: int) -> list[str]:
+    """Seeded deterministic shuffle of a sorted id list."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+    ids = sorted(ids)
+    return [ids[i] for i in rng.permutation(len(ids))]
+
+
+def scale_targets(targets: PartitionTargets, available: dict[str, Counter], client_sites: dict[str, list[str]],
+                  internal: Counter) -> tuple[PartitionTargets, float]:
+    """Largest common factor <= 1 under which every draw fits the corpus."""
+    factor = 1.0
+    for c, cls in enumerate(CLASSES):
+        demand_by_sites: dict[tuple[str, ...], int] = defaultdict(int)
+        for client, pool in targets.clients.items():
+            demand_by_sites[tuple(sorted(client_sites.get(client, [])))] += pool[c]
+        for sites, demand in demand_by_sites.items():
+            have = sum(available[s][cls] for s in sites) if sites else internal[cls]
+            if demand:
+                factor = min(factor, have / demand)
+        total = sum(p[c] for p in targets.clients.values()) + targets.validation[c] + targets.test[c]
+        if total:
+            factor = min(factor, internal[cls] / total)
+    if factor >= 1.0:
+        return targets, 1.0
+
+    def sc(counts) -> tuple[int, int, int]:
+        return tuple(int(np.floor(n * factor)) for n in counts)  # type: ignore[return-value]
+
+    return PartitionTargets(clients={k: sc(v) for k, v in targets.clients.items()},
+                            validation=sc(targets.validation), test=sc(targets.test)), factor
+
+
+def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Config) -> tuple[list[dict], dict]:
+    meta = {r.relpath: r for r in read_sources_csv(sources_csv)}
+    with Path(families_csv).open() as fh:
+        fams = list(csv.DictReader(fh))
+    unknown = [r["relpath"] for r in fams if r["relpath"] not in meta]
+    if unknown or len(fams) != len(meta):
+        raise ManifestError(f"clearance families and sources differ ({len(fams)} vs {len(meta)} images; "
+                            f"unknown: {unknown[:3]}): rerun clearance")
+    kept = [r for r in fams if r["keep"] == "True"]
+    by_id = {sample_id(r["relpath"]): r for r in kept}
+    if len(by_id) != len(kept):
+        raise ManifestError("two kept images share a sample id (portable paths collide)")
+    internal_ids = [i for i, r in by_id.items() if r["cohort"] == "internal"]
+    available: dict[str, Counter] = defaultdict(Counter)
+    for i in internal_ids:
+        available[by_id[i]["site"]][by_id[i]["label"]] += 1
+    internal = Counter(by_id[i]["label"] for i in internal_ids)
+    targets, factor = scale_targets(cfg.partition_targets(), available, cfg.manifest.client_sites, internal)
+    seed = cfg.manifest.split_seed
+    assignment: dict[str, tuple[str, str, str]] = {}  # id -> (partition, client, split)
+    for k, (client, pool) in enumerate(sorted(targets.clients.items())):
+        sites = set(cfg.manifest.client_sites.get(client, []))
+        for c, cls in enumerate(CLASSES):
+            free = [i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls
+                    and (not sites or by_id[i]["site"] in sites)]
+            chosen = _order(free, seed, 1, k, c)[:pool[c]]
+            if len(chosen) < pool[c]:
+                raise ManifestError(f"client {client} needs {pool[c]} {cls} images from sites {sorted(sites)}, "
+                                    f"only {len(chosen)} left")
+            n_hold = holdout_count(len(chosen), cfg.manifest.holdout_fraction[client])
+            ordered = _order(chosen, seed, 2, k, c)
+            for j, i in enumerate(ordered):
+                assignment[i] = (client, client, "holdout" if j < n_hold else "optimisation")
+    for c, cls in enumerate(CLASSES):
+        free = _order([i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls], seed, 3, c)
+        need = targets.validation[c] + targets.test[c]
+        if len(free) < need:
+            raise ManifestError(f"validation+test need {need} {cls} images, only {len(free)} left")
+        for j, i in enumerate(free):
+            split = "validation" if j < targets.validation[c] else "test" if j < need else "unused"
+            assignment[i] = (split, "", split)
+    for i, r in by_id.items():
+        if r["cohort"] == "external":
+            assignment[i] = ("external", "", "external")
+    rows = []
+    for i in sorted(by_id, key=lambda i: by_id[i]["relpath"]):
+        r = by_id[i]
+        partition, client, split = assignment[i]
+        m = meta[r["relpath"]]
+        rows.append({"sample_id": i, "relpath": r["relpath"], "path": r["path"], "label": r["label"],
+                     "source": m.source, "site": r["site"], "cohort": r["cohort"],
+                     "differentiation": m.differentiation, "magnification": m.magnification, "sha256": r["sha256"],
+                     "family": r["family"], "partition": partition, "client": client, "split": split})
+    return rows, {"scale_factor": factor, "targets": targets.model_dump(mode="json")}
+
+
+def boundary(row: dict) -> str:
+    """The protected boundary an image sits in (client optimisation and holdout are distinct)."""
+    return f"{row['client']}:{row['split']}" if row["client"] else row["split"]
+
+
+def boundary_audit(rows: list[dict], edges_csv: str | Path) -> dict:
+    digests = {r["relpath"]: r["sha256"] for r in rows}
+    where = {r["relpath"]: boundary(r) for r in rows if r["split"] != "unused"}
+    leaks = []
+    with Path(edges_csv).open() as fh:
+        for e in csv.DictReader(fh):
+            if e["decision"] == "confirmed" and e["a"] in where and e["b"] in where and where[e["a"]] != where[e["b"]]:
+                leaks.append({"a": e["a"], "b": e["b"], "stage": e["stage"], "boundaries": [where[e["a"]], where[e["b"]]]})
+    by_digest: dict[str, set] = defaultdict(set)
+    for rel, b in where.items():
+        if rel in digests:
+            by_digest[digests[rel]].add(b)
+    exact = [d for d, bs in by_digest.items() if len(bs) > 1]
+    return {"cross_boundary_family_edges": leaks, "cross_boundary_exact_matches": exact,
+            "boundaries": sorted(set(where.values()))}
+
+
+def composition(rows: list[dict]) -> list[dict]:
+    """Partition x class counts: client pools before holdout, optimisation, holdout; val; test; external."""
+    count: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for r in rows:
+        if r["client"]:
+            count[(r["client"], "pool")][r["label"]] += 1
+            count[(r["client"], r["split"])][r["label"]] += 1
+            count[("all_clients", r["split"])][r["label"]] += 1
+        else:
+            count[(r["partition"], "all")][r["label"]] += 1
+    order = [(f"C{k}", s) for k in range(1, 6) for s in ("pool", "optimisation", "holdout")] + \
+        [("all_clients", "optimisation"), ("all_clients", "holdout"), ("validation", "all"), ("test", "all"),
+         ("external", "all"), ("unused", "all")]
+    return [{"partition": p, "subset": s, **{c: count[(p, s)][c] for c in CLASSES},
+             "total": sum(count[(p, s)].values())} for p, s in order if (p, s) in count or p.startswith("C")]
+
+
+def dataset_identity(rows: list[dict]) -> str:
+    """Digest binding training and inference to this exact inventory and assignment."""
+    lines = sorted(f"{r['sample_id']},{r['label']},{r['partition']},{r['client']},{r['split']},{r['sha256']}"
+                   for r in rows)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _csv_writer(rows: list[dict], columns) -> callable:
+    def writer(tmp: Path) -> None:
+        with tmp.open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(columns), lineterminator="\n")
+            w.writeheader()
+            w.writerows(rows)
+
+    return writer
+
+
+def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: str | Path, cfg: Config,
+                 out_dir: str | Path) -> dict:
+    rows, info = build_manifest(sources_csv, families_csv, cfg)
+    audit = boundary_audit(rows, edges_csv)
+    if audit["cross_boundary_family_edges"] or audit["cross_boundary_exact_matches"]:
+        raise ManifestError(f"protected boundaries leak: {len(audit['cross_boundary_family_edges'])} family edge(s) "
+                            f"{audit['cross_boundary_family_edges'][:5]}, {len(audit['cross_boundary_exact_matches'])} "
+                            "exact match(es)")
+    out = Path(out_dir)
+    block = {"manifest": cfg.manifest.model_dump(mode="json"), "targets": cfg.partition_targets().model_dump(mode="json"),
+             "family_policy": cfg.clearance.family_policy}
+    prov = provenance_block(STAGE, block, {"sources": sources_csv, "families": families_csv, "edges": edges_csv})
+    comp = composition(rows)
+    write_with(out / "manifest.csv", _csv_writer(rows, MANIFEST_COLUMNS))
+    write_with(out / "composition.csv", _csv_writer(comp, ["partition", "subset", *CLASSES, "total"]))
+    summary = {"dataset_identity": dataset_identity(rows), "images": len(rows), **info,
+               "boundary_audit": {**audit, "result": "zero cross-boundary exact and family edges"},
+               "provenance": prov}
+    write_json(out / "manifest.json", summary)
+    for name in ("manifest.csv", "composition.csv"):
+        write_sidecar(out / name, prov)
+    return summary

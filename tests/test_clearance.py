@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedhisto.clearance import ClearanceError, run_audit_folder
+from fedhisto.clearance.engine import audit_images
+from fedhisto.clearance.families import components, pairwise_scores
+from fedhisto.clearance.hashing import dihedral_phashes, phash_pairs
+from fedhisto.clearance.verify import extract, make_detector, verify
+from fedhisto.config import ClearanceConfig
+from fedhisto.synth.families import encode_jpeg, rotate_zoom, stain_shift
+from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.synth.tissue import tissue
+
+
+def tile(label: str, seed: int, size: int = 192) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    h, e = tissue(label, rng, size, size / 128)
+    return Image.fromarray(render_rgb(h, e, SITE_STYLES["site1"], rng, size / 128))
+
+
+@pytest.fixture(scope="module")
+def detector():
+    return make_detector("sift", 400)
+
+
+def test_dihedral_phash_catches_every_flip_and_rotation():
+    img = tile("SCC", 1)
+    base = dihedral_phashes(np.asarray(img))
+    for op in Image.Transpose:
+        other = dihedral_phashes(np.asarray(img.transpose(op)))[0]
+        assert min(bin(int(b) ^ int(other)).count("1") for b in base) <= 2, op
+    assert dihedral_phashes(np.asarray(img), dihedral=False).shape == (1,)
+
+
+def test_phash_pairs_threshold_and_order():
+    hashes = np.array([[0b0], [0b111], [0b11111111111]], dtype=np.uint64)
+    assert phash_pairs(hashes, 3) == [(0, 1, 3)]
+    assert phash_pairs(hashes, 11) == [(0, 1, 3), (0, 2, 11), (1, 2, 8)]
+
+
+@pytest.mark.parametrize(
+    "make_copy",
+    [
+        lambda im, rng: rotate_zoom(im, 23.0),
+        lambda im, rng: rotate_zoom(im, -11.0).transpose(Image.Transpose.FLIP_LEFT_RIGHT),
+        lambda im, rng: im.crop((20, 30, 170, 180)),
+        lambda im, rng: stain_shift(im, rng),
+        lambda im, rng: im.resize((120, 120)),
+        lambda im, rng: im.transpose(Image.Transpose.ROTATE_90),
+    ],
+    ids=["rotate-zoom", "rotate-flip", "crop", "stain-shift", "resize", "rot90"],
+)
+def test_local_features_confirm_transformed_copies(detector, make_copy):
+    det, norm = detector
+    original = tile("ACA", 7)
+    copy = make_copy(original, np.random.default_rng(0))
+    v = verify(extract(np.asarray(original), det), extract(np.asarray(copy.convert("RGB")), det), norm, 0.75, 10)
+    assert v.confirmed(10), v
+
+
+@pytest.mark.parametrize(("a", "b"), [("ACA", "ACA"), ("SCC", "SCC"), ("Normal", "Normal"), ("ACA", "SCC")])
+def test_unrelated_tissue_is_rejected(detector, a, b):
+    det, norm = detector
+    v = verify(extract(np.asarray(tile(a, 11)), det), extract(np.asarray(tile(b, 12)), det), norm, 0.75, 10)
+    assert not v.confirmed(10) and v.inliers < 10
+
+
+def test_components_keep_first_listed_as_root():
+    assert components(5, [(3, 1), (1, 4)]) == [[0], [1, 3, 4], [2]]
+
+
+def test_pairwise_scores_by_hand():
+    s = pairwise_scores(["a", "a", "a", "b"], ["x", "x", "y", "y"])
+    assert (s["precision"], s["recall"]) == (0.5, pytest.approx(1 / 3))
+
+
+def test_engine_finds_planted_families_and_nothing_else(tmp_path: Path):
+    paths, truth = [], []
+    for k in range(6):
+        original = tile(("ACA", "Normal", "SCC")[k % 3], 100 + k)
+        members = [original, rotate_zoom(original, 9.0 + k), original.transpose(Image.Transpose.FLIP_TOP_BOTTOM)]
+        for m, img in enumerate(members):
+            p = tmp_path / f"f{k}_{m}.jpg"
+            p.write_bytes(encode_jpeg(img, 90))
+            paths.append(str(p))
+            truth.append(f"f{k}")
+    (tmp_path / "dup.jpg").write_bytes(Path(paths[0]).read_bytes())
+    paths.append(str(tmp_path / "dup.jpg"))
+    truth.append("f0")
+    res = audit_images(paths, ClearanceConfig(neighbours_per_image=4), threads=1, progress=False)
+    found = {i: n for n, fam in enumerate(res.families) for i in fam}
+    scores = pairwise_scores(truth, [str(found[i]) for i in range(len(paths))])
+    assert scores["f1"] == 1.0
+    assert res.stats["confirmed_by_stage"]["exact"] == 1
+    assert not res.failures
+
+
+def test_audit_folder_writes_outputs_and_stops_on_truncated_file(tmp_path: Path):
+    folder = tmp_path / "imgs" / "lung_aca"
+    folder.mkdir(parents=True)
+    for k in range(3):
+        (folder / f"a{k}.jpg").write_bytes(encode_jpeg(tile("ACA", k, 128), 90))
+    (folder / "copy.jpg").write_bytes(encode_jpeg(tile("ACA", 0, 128).transpose(Image.Transpose.ROTATE_180), 80))
+    audit = run_audit_folder(tmp_path / "imgs", tmp_path / "out", ClearanceConfig(neighbours_per_image=3))
+    assert audit["stats"]["families"] == 1
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"edges.csv", "families.csv", "audit.json", "report.md"}
+    (folder / "broken.jpg").write_bytes((folder / "a1.jpg").read_bytes()[:500])
+    with pytest.raises(OSError, match=r"broken\.jpg"):
+        run_audit_folder(tmp_path / "imgs", tmp_path / "out2", ClearanceConfig(neighbours_per_image=3))
+    assert not (tmp_path / "out2" / "families.csv").exists()
+    with pytest.raises(ClearanceError, match="no images"):
+        run_audit_folder(tmp_path / "out", tmp_path / "out3", ClearanceConfig())
