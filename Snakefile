@@ -13,6 +13,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/cohort.smk"
 include: "workflow/rules/clearance.smk"
 include: "workflow/rules/manifest.smk"
+include: "workflow/rules/stain.smk"
 include: "workflow/rules/accounting.smk"
 
 

@@ -53,7 +53,7 @@ def test_ruff_clean(repo: Path):
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.fail("ruff not installed: pip install -e '.[test]'")
-    proc = subprocess.run([ruff, "check", "src", "tests", "scripts"], cwd=repo, capture_output=True, text=True)
+    proc = subprocess.run([ruff, "check", "src", "tests", "scripts", "benchmarks"], cwd=repo, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

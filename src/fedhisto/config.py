@@ -130,6 +130,9 @@ class StainConfig(Strict):
     resize: int = Field(128, ge=16)
     od_background: float = Field(0.15, gt=0, description="a pixel is background when any OD channel is below this")
     min_tissue_pixels: int = Field(50, ge=1)
+    od_reference_intensity: float = Field(240.0, gt=0, description="Macenko's Io: OD = -ln((I + 1) / Io)")
+    percentile: float = Field(1.0, gt=0, lt=50, description="Macenko angle percentile (alpha)")
+    he_min_cosine: float = Field(0.8, gt=0, le=1, description="below this cosine to reference H or E, flag as not H&E")
 
 
 # ---------------------------------------------------------------------- views

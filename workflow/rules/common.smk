@@ -27,5 +27,6 @@ def all_targets():
     return cohort_outputs() + [
         "results/clearance/report.md",
         "results/manifest/composition.csv",
+        "results/stain/descriptors.json",
         "results/accounting/communication.csv",
     ]
