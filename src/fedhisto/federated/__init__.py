@@ -1,0 +1,1 @@
+"""Federated math: pure, typed, transport-free (aggregation, delta-SVD, weights, prototypes, losses)."""
