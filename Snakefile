@@ -14,6 +14,7 @@ include: "workflow/rules/cohort.smk"
 include: "workflow/rules/clearance.smk"
 include: "workflow/rules/manifest.smk"
 include: "workflow/rules/stain.smk"
+include: "workflow/rules/train.smk"
 include: "workflow/rules/accounting.smk"
 
 

@@ -59,7 +59,7 @@ def test_offline_hub_format_round_trip(tmp_path: Path):
     for (n, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
     assert not any(p.requires_grad for p in loaded.parameters())
-    x = torch.rand(2, 3, 64, 64)
+    x = torch.rand(2, 3, 48, 48)
     saved.eval()
     assert torch.allclose(saved(pixel_values=x).pooler_output, loaded(pixel_values=x).pooler_output)
 
@@ -92,7 +92,7 @@ def test_legacy_checkpoint_names_map_to_the_same_function(tmp_path: Path):
     (tmp_path / "snap" / "model.safetensors").unlink()
     save_file({k: v.contiguous() for k, v in legacy.items()}, str(tmp_path / "snap" / "model.safetensors"))
     loaded = load_encoder_folder(tmp_path / "snap", "tiny")
-    x = torch.rand(1, 3, 64, 64)
+    x = torch.rand(1, 3, 48, 48)
     assert torch.allclose(saved(pixel_values=x).pooler_output, loaded(pixel_values=x).pooler_output, atol=1e-6)
 
 
@@ -104,7 +104,7 @@ def test_loader_refuses_random_init_and_wrong_shapes(tmp_path: Path):
     with pytest.raises(EncoderLoadError, match=r"no pretrained weights.*random initialisation is refused"):
         load_encoder_folder(tmp_path / "snap", "tiny")
     _save_random(tmp_path / "tiny")
-    with pytest.raises(EncoderLoadError, match=r"not a hibou-b encoder: hidden_size=96 .expected 768."):
+    with pytest.raises(EncoderLoadError, match=r"not a hibou-b encoder: hidden_size=64 .expected 768."):
         load_encoder_folder(tmp_path / "tiny", "hibou-b")
     with pytest.raises(EncoderLoadError, match="encoder folder not found"):
         load_encoder_folder(tmp_path / "missing", "tiny")
@@ -129,8 +129,8 @@ def test_exchanged_state_is_trainable_tensors_only():
     state = model.trainable_state()
     assert all(("lora_" in k) or k.startswith(("adapter.", "film.", "classifier.")) for k in state)
     assert sum(v.numel() for v in state.values()) == sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logits, z = model(torch.rand(2, 3, 64, 64), torch.zeros(1, 14))
-    assert logits.shape == (2, 3) and z.shape == (2, 96)
+    logits, z = model(torch.rand(2, 3, 48, 48), torch.zeros(1, 14))
+    assert logits.shape == (2, 3) and z.shape == (2, 64)
     other = FedHistoModel(random_encoder("tiny"), cfg, film=True)
     other.load_trainable_state(state)
     assert all(torch.equal(a, b) for a, b in zip(other.trainable_state().values(), state.values(), strict=True))
@@ -141,7 +141,7 @@ def test_exchanged_state_is_trainable_tensors_only():
 def test_film_starts_as_identity_and_needs_a_descriptor():
     torch.manual_seed(0)
     model = FedHistoModel(random_encoder("tiny"), ModelConfig(adapter_hidden=32), film=True).eval()
-    x = torch.rand(1, 3, 64, 64)
+    x = torch.rand(1, 3, 48, 48)
     z_zero = model.embed(x, torch.zeros(1, 14))
     z_rand = model.embed(x, torch.randn(1, 14))
     assert torch.allclose(z_zero, z_rand)
@@ -155,5 +155,5 @@ def test_lora_update_orientation_matches_the_paper():
     state = model.trainable_state()
     a_key = next(k for k in state if k.endswith("lora_A.default.weight"))
     a, b = state[a_key], state[a_key.replace("lora_A", "lora_B")]
-    assert a.shape == (8, 96) and b.shape == (96, 8)
-    assert (b @ a).shape == (96, 96)
+    assert a.shape == (8, 64) and b.shape == (64, 8)
+    assert (b @ a).shape == (64, 64)

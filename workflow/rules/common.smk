@@ -3,6 +3,7 @@
 from snakemake.utils import validate
 
 from fedhisto.config import load_config
+from fedhisto.train.stage import training_block
 
 
 validate(config, schema="../schemas/config.schema.json", set_default=False)
@@ -23,8 +24,14 @@ def planted_input(wildcards):
     return ["results/cohort/planted_families.csv"] if CFG.cohort.mode == "synthetic" else []
 
 
+def train_runs():
+    """(method, seed) of every configured run: principal methods x seeds, ablations x ablation seeds."""
+    runs = [(m, s) for m in CFG.train.methods for s in CFG.train.seeds]
+    return runs + [(m, s) for m in CFG.train.ablations for s in CFG.train.ablation_seeds]
+
+
 def all_targets():
-    return cohort_outputs() + [
+    return cohort_outputs() + [f"results/train/{m}/seed{s}/status.json" for m, s in train_runs()] + [
         "results/clearance/report.md",
         "results/manifest/composition.csv",
         "results/stain/descriptors.json",

@@ -23,8 +23,8 @@ from fedhisto.config import EncoderConfig
 ENCODER_SHAPES: dict[str, dict] = {
     "hibou-b": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "patch_size": 14,
                 "image_size": 224, "num_register_tokens": 4, "use_swiglu_ffn": True, "mlp_ratio": 4},
-    "tiny": {"hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "patch_size": 8,
-             "image_size": 64, "num_register_tokens": 4, "use_swiglu_ffn": True, "mlp_ratio": 4},
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "patch_size": 8,
+             "image_size": 48, "num_register_tokens": 4, "use_swiglu_ffn": True, "mlp_ratio": 4},
 }
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 

@@ -1,0 +1,33 @@
+"""Stage train: one federated run, results/train/{method}/seed{seed}/.
+
+Standalone: ``python scripts/train.py --config config/config.yaml --method past_v2 --seed 11
+--out results/train/past_v2/seed11`` (reads results/manifest and results/stain). Rerunning the
+same command resumes from the last completed round.
+"""
+
+import argparse
+from pathlib import Path
+
+from fedhisto.config import load_config_file
+from fedhisto.entry import from_snakemake, setup_logging
+from fedhisto.train.stage import run_train
+
+if "snakemake" in globals():
+    smk = globals()["snakemake"]
+    config = from_snakemake(smk)
+    run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
+              smk.input.descriptors, config, Path(smk.output.status).parent, threads=smk.threads)
+elif __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default="config/config.yaml")
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--manifest", default="results/manifest/manifest.csv")
+    parser.add_argument("--identity", default="results/manifest/manifest.json")
+    parser.add_argument("--descriptors", default="results/stain/descriptors.json")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    setup_logging()
+    run_train(args.method, args.seed, args.manifest, args.identity, args.descriptors, load_config_file(args.config),
+              args.out, threads=args.threads)

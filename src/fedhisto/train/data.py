@@ -1,0 +1,67 @@
+"""Client and evaluation data as plain lists of (sample id, label index, RGB array) per partition."""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from fedhisto import CLASSES
+from fedhisto.config import ViewsConfig
+from fedhisto.imageio import load_rgb
+from fedhisto.views import eval_view
+
+
+@dataclass
+class Split:
+    ids: list[str]
+    labels: list[int]
+    images: list[np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def class_counts(self) -> list[int]:
+        return [self.labels.count(c) for c in range(len(CLASSES))]
+
+
+def _load(path: str, max_edge: int) -> np.ndarray:
+    """Decoded once; large images are shrunk to ``max_edge`` (views crop >= 85 % of the area then
+    resize to the crop size, so nothing finer than that survives anyway)."""
+    rgb = load_rgb(path)
+    longest = max(rgb.shape[:2])
+    if longest > max_edge:
+        f = max_edge / longest
+        rgb = cv2.resize(rgb, (round(rgb.shape[1] * f), round(rgb.shape[0] * f)), interpolation=cv2.INTER_AREA)
+    return rgb
+
+
+def load_partitions(manifest_csv: str | Path, crop_size: int) -> dict[str, Split]:
+    """Keys: ``C1``..``C5`` (optimisation), ``C1:holdout``.., ``validation``, ``test``, ``external``."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    with Path(manifest_csv).open() as fh:
+        for r in csv.DictReader(fh):
+            if r["split"] == "optimisation":
+                groups[r["client"]].append(r)
+            elif r["split"] == "holdout":
+                groups[f"{r['client']}:holdout"].append(r)
+            elif r["split"] in ("validation", "test", "external"):
+                groups[r["split"]].append(r)
+    max_edge = 2 * crop_size
+    out = {}
+    for key, rows in groups.items():
+        rows = sorted(rows, key=lambda r: r["sample_id"])
+        out[key] = Split([r["sample_id"] for r in rows], [CLASSES.index(r["label"]) for r in rows],
+                         [_load(r["path"], max_edge) for r in rows])
+    return out
+
+
+def eval_batches(split: Split, cfg: ViewsConfig, batch: int):
+    for start in range(0, len(split), batch):
+        imgs = torch.stack([eval_view(im, cfg) for im in split.images[start:start + batch]])
+        yield imgs, torch.tensor(split.labels[start:start + batch])

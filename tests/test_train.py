@@ -1,0 +1,131 @@
+"""The training engine on a real (small) synthetic cohort: resume equivalence, identity refusal, failures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fedhisto.cohort import run_cohort
+from fedhisto.config import CohortConfig, PlantedFamilies, SyntheticCohort, load_config
+from fedhisto.manifest import run_manifest
+from fedhisto.stain import run_stain
+from fedhisto.train.loop import ResumeRefused, load_checkpoint
+from fedhisto.train.stage import run_train
+
+TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
+        "views": {"crop_size": 48}, "train": {"max_rounds": 4, "patience": 10, "lr": 1e-3}}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> dict:
+    """A rendered small cohort, a manifest of its originals, and stain descriptors."""
+    root = tmp_path_factory.mktemp("train")
+    cohort = CohortConfig(synthetic=SyntheticCohort(planted=PlantedFamilies(families_per_site=0)))
+    run_cohort(cohort, root / "cohort", threads=2)
+    from fedhisto.clearance.stage import FAMILY_COLUMNS
+    from fedhisto.sources import read_sources_csv
+
+    rows = read_sources_csv(root / "cohort/sources.csv")
+    with (root / "families.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FAMILY_COLUMNS)
+        w.writeheader()
+        for k, r in enumerate(rows):  # no planted copies: every image is its own family
+            w.writerow({"relpath": r.relpath, "path": r.path, "label": r.label, "site": r.site, "cohort": r.cohort,
+                        "sha256": f"s{k}", "family": f"f{k}", "family_size": 1, "representative": True, "keep": True})
+    (root / "edges.csv").write_text("a,b,stage,score,threshold,decision\n")
+    cfg = load_config(TINY)
+    run_manifest(root / "cohort/sources.csv", root / "families.csv", root / "edges.csv", cfg, root / "manifest")
+    run_stain(root / "manifest/manifest.csv", cfg, root / "stain")
+    (root / "config.yaml").write_text(yaml.safe_dump(TINY))
+    return {"root": root, "cfg": cfg, "manifest": root / "manifest/manifest.csv",
+            "identity": root / "manifest/manifest.json", "descriptors": root / "stain/descriptors.json"}
+
+
+def train(prepared: dict, method: str, out: Path, cfg=None, **hooks) -> dict:
+    return run_train(method, 11, prepared["manifest"], prepared["identity"], prepared["descriptors"],
+                     cfg or prepared["cfg"], out, **hooks)
+
+
+def final_state(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["best"]["state"]
+
+
+def test_killed_run_resumes_to_the_identical_result(prepared: dict, tmp_path: Path, repo: Path):
+    reference = tmp_path / "reference"
+    train(prepared, "past_v2", reference)
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, str(repo / "scripts/train.py"), "--config", str(prepared["root"] / "config.yaml"),
+           "--method", "past_v2", "--seed", "11", "--out", str(killed), "--manifest", str(prepared["manifest"]),
+           "--identity", str(prepared["identity"]), "--descriptors", str(prepared["descriptors"])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            ckpt = killed / "checkpoint.pt"
+            if ckpt.exists() and torch.load(ckpt, map_location="cpu", weights_only=False)["round"] >= 2:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed / "status.json").exists()
+    resumed_from = torch.load(killed / "checkpoint.pt", map_location="cpu", weights_only=False)["round"]
+    assert 2 <= resumed_from < 4
+    train(prepared, "past_v2", killed)  # resume in-process
+    ref, res = final_state(reference), final_state(killed)
+    assert ref.keys() == res.keys() and all(torch.equal(ref[k], res[k]) for k in ref)
+    assert (reference / "validation_predictions.csv").read_bytes() == (killed / "validation_predictions.csv").read_bytes()
+    assert (reference / "history.csv").read_text().count("\n") == (killed / "history.csv").read_text().count("\n")
+
+
+def test_resume_refuses_other_identity_and_pipeline_starts_over(prepared: dict, tmp_path: Path):
+    out = tmp_path / "run"
+    train(prepared, "fedavg_peft", out, cfg=load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}}))
+    ckpt = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    other = {**ckpt["identity"], "seed": 22}
+    with pytest.raises(ResumeRefused, match="seed: checkpoint 11 vs run 22"):
+        load_checkpoint(out / "checkpoint.pt", other)
+    with pytest.raises(ResumeRefused, match="dataset_identity"):
+        load_checkpoint(out / "checkpoint.pt", {**ckpt["identity"], "dataset_identity": "x"})
+    changed = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1, "lr": 5e-4}})
+    train(prepared, "fedavg_peft", out, cfg=changed)
+    assert list(out.glob("checkpoint.refused-*.pt")), "the foreign checkpoint must be kept aside, not overwritten"
+    new = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert new["identity"]["config_hash"] != ckpt["identity"]["config_hash"]
+
+
+def test_a_failing_client_is_recorded_not_fabricated(prepared: dict, tmp_path: Path):
+    out = tmp_path / "fault"
+    cfg = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 2}})
+    train(prepared, "past_v1", out, cfg=cfg, client_fault={0: "C3"})
+    history = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["history"]
+    first, second = history
+    assert "C3" in first["failed_clients"] and "C3" not in first["weights"]
+    assert sum(first["weights"].values()) == pytest.approx(1.0) and len(first["weights"]) == 4
+    assert len(second["weights"]) == 5 and second["failed_clients"] == {}
+    report = json.loads((out / "report.json").read_text())
+    assert report["rounds"] == 2 and 0 <= report["validation_macro_f1"] <= 1
+    assert json.loads((out / "status.json").read_text())["status"] == "finalised"
+
+
+def test_checkpoint_holds_adapters_only(prepared: dict, tmp_path: Path):
+    out = tmp_path / "small"
+    train(prepared, "film_zero", out, cfg=load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}}))
+    state = final_state(out)
+    assert all(("lora_" in k) or k.startswith(("adapter.", "film.", "classifier.")) for k in state)
+    assert not any(k.startswith("encoder.") and "lora_" not in k for k in state)

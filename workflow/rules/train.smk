@@ -1,0 +1,26 @@
+# Stage train: one federated run per method and seed, resumable from its per-round checkpoint.
+# The checkpoint is deliberately not a declared output, so a killed job keeps it and the next
+# invocation resumes it; status.json is written last.
+
+
+rule train_federated:
+    input:
+        manifest="results/manifest/manifest.csv",
+        identity="results/manifest/manifest.json",
+        descriptors="results/stain/descriptors.json",
+    output:
+        status="results/train/{method}/seed{seed}/status.json",
+        history="results/train/{method}/seed{seed}/history.csv",
+    log:
+        "logs/train/{method}/seed{seed}.log",
+    params:
+        block=lambda wildcards: training_block(CFG, wildcards.method, int(wildcards.seed)),
+    threads: 1
+    resources:
+        mem_mb=lambda wildcards: 24000 if CFG.model.encoder.name == "hibou-b" else 3000,
+        runtime=lambda wildcards: 720 if CFG.model.encoder.name == "hibou-b" else 30,
+        gpu=lambda wildcards: 1 if CFG.model.encoder.name == "hibou-b" else 0,
+    conda:
+        ENV
+    script:
+        "../../scripts/train.py"
