@@ -15,6 +15,9 @@ include: "workflow/rules/clearance.smk"
 include: "workflow/rules/manifest.smk"
 include: "workflow/rules/stain.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/predict.smk"
+include: "workflow/rules/metrics.smk"
+include: "workflow/rules/bootstrap.smk"
 include: "workflow/rules/accounting.smk"
 
 

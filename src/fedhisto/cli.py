@@ -41,6 +41,18 @@ def _cmd_cohort(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from fedhisto.clearance import run_audit_folder
+    from fedhisto.config import ClearanceConfig
+    from fedhisto.entry import setup_logging
+
+    setup_logging()
+    cfg = load_config_file(args.config).clearance if args.config else ClearanceConfig()
+    audit = run_audit_folder(args.folder, args.out, cfg, threads=args.threads)
+    print(json.dumps(audit["stats"], indent=2))
+    return 0
+
+
 def _cmd_model_card(args: argparse.Namespace) -> int:
     from fedhisto.model.card import model_card
 
@@ -67,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_cmd_cohort)
 
+    p = sub.add_parser("audit", help="exact, perceptual and local-feature duplicate families of any image folder")
+    p.add_argument("folder")
+    p.add_argument("--out", required=True, help="writes families.csv, edges.csv, audit.json, report.md here")
+    p.add_argument("--config", default=None, help="take the clearance settings from this config file")
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(func=_cmd_audit)
+
     from fedhisto.methods import METHODS
     from fedhisto.model.encoder import ENCODER_SHAPES
 
@@ -81,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, SourceError) as exc:
+    except (ConfigError, SourceError, OSError, RuntimeError) as exc:
         print(f"fedhisto: error: {exc}", file=sys.stderr)
         return 2
 

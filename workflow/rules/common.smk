@@ -30,8 +30,28 @@ def train_runs():
     return runs + [(m, s) for m in CFG.train.ablations for s in CFG.train.ablation_seeds]
 
 
+def seeds_of(method):
+    return CFG.train.seeds if method in CFG.train.methods else CFG.train.ablation_seeds
+
+
+def comparison_inputs(name, role):
+    """External predictions of every seed of the comparison's method or reference."""
+    if name not in CFG.bootstrap.comparisons:
+        raise ValueError(f"unknown comparison {name!r}; configured: {', '.join(CFG.bootstrap.comparisons)}")
+    method = getattr(CFG.bootstrap.comparisons[name], role)
+    return [f"results/predictions/{method}/seed{s}/external.csv" for s in seeds_of(method)]
+
+
+def comparisons_in_config():
+    """Comparisons whose two methods are both configured to train."""
+    trained = set(CFG.train.methods) | set(CFG.train.ablations)
+    return [n for n, c in CFG.bootstrap.comparisons.items() if c.method in trained and c.reference in trained]
+
+
 def all_targets():
     return cohort_outputs() + [f"results/train/{m}/seed{s}/status.json" for m, s in train_runs()] + [
+        "results/metrics/summary.csv",
+        *[f"results/bootstrap/{n}.json" for n in comparisons_in_config()],
         "results/clearance/report.md",
         "results/manifest/composition.csv",
         "results/stain/descriptors.json",

@@ -1,0 +1,25 @@
+"""Stage metrics: results/metrics (summary.csv, per_run.csv, client_level.csv, ensembles.csv, subgroups.csv).
+
+Standalone: ``python scripts/metrics.py --config config/config.yaml`` (all configured runs).
+"""
+
+import argparse
+from pathlib import Path
+
+from fedhisto.config import load_config_file
+from fedhisto.entry import from_snakemake, setup_logging
+from fedhisto.metrics import run_metrics
+
+if "snakemake" in globals():
+    smk = globals()["snakemake"]
+    runs = [(m, int(s), f) for m, s, f in smk.params.runs]
+    run_metrics(runs, from_snakemake(smk), Path(smk.output.summary).parent)
+elif __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default="config/config.yaml")
+    args = parser.parse_args()
+    setup_logging()
+    cfg = load_config_file(args.config)
+    runs = [(m, s, f"results/predictions/{m}/seed{s}") for m in cfg.train.methods for s in cfg.train.seeds]
+    runs += [(m, s, f"results/predictions/{m}/seed{s}") for m in cfg.train.ablations for s in cfg.train.ablation_seeds]
+    run_metrics(runs, cfg, "results/metrics")

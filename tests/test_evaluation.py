@@ -1,0 +1,115 @@
+"""Metrics cross-checked against scikit-learn, ECE against a direct loop, bootstrap against scipy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+from sklearn.metrics import (
+    accuracy_score,
+    average_precision_score,
+    balanced_accuracy_score,
+    f1_score,
+    log_loss,
+    precision_recall_fscore_support,
+    roc_auc_score,
+)
+
+from fedhisto.bootstrap import AlignmentError, ensemble, paired_bootstrap
+from fedhisto.evaluation import classification_metrics, ece, macro_f1_from
+
+
+def random_case(seed: int, n: int = 300, classes=(0, 1, 2)):
+    rng = np.random.default_rng(seed)
+    y = rng.choice(classes, n)
+    logits = rng.normal(size=(n, 3)) + 1.5 * np.eye(3)[y] * rng.random((n, 1))
+    p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    return p, y
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metrics_match_sklearn(seed: int):
+    p, y = random_case(seed)
+    m = classification_metrics(p, y)
+    pred = p.argmax(1)
+    assert m["accuracy"] == pytest.approx(accuracy_score(y, pred))
+    assert m["balanced_accuracy"] == pytest.approx(balanced_accuracy_score(y, pred))
+    assert m["macro_f1"] == pytest.approx(f1_score(y, pred, average="macro"))
+    prec, rec, f1, sup = precision_recall_fscore_support(y, pred, labels=[0, 1, 2], zero_division=0)
+    for c, name in enumerate(("ACA", "Normal", "SCC")):
+        pc = m["per_class"][name]
+        assert (pc["precision"], pc["recall"], pc["f1"], pc["support"]) == pytest.approx((prec[c], rec[c], f1[c], sup[c]))
+    assert m["macro_auroc"] == pytest.approx(roc_auc_score(y, p, multi_class="ovr", average="macro"))
+    assert m["macro_auprc"] == pytest.approx(np.mean([average_precision_score(y == c, p[:, c]) for c in range(3)]))
+    assert m["nll"] == pytest.approx(log_loss(y, p, labels=[0, 1, 2]))
+    assert m["brier"] == pytest.approx(np.mean(((p - np.eye(3)[y]) ** 2).sum(1)))
+    assert macro_f1_from(y, pred) == pytest.approx(m["macro_f1"])
+
+
+def test_ece_against_a_direct_loop():
+    p, y = random_case(7, n=500)
+    conf, correct = p.max(1), (p.argmax(1) == y)
+    total = 0.0
+    for b in range(15):
+        lo, hi = b / 15, (b + 1) / 15
+        idx = [i for i in range(len(y)) if (lo < conf[i] <= hi) or (b == 0 and conf[i] == 0)]
+        if idx:
+            total += len(idx) / len(y) * abs(np.mean(correct[idx]) - np.mean(conf[idx]))
+    assert ece(p, y, 15) == pytest.approx(total)
+
+
+def test_absent_class_is_reported_not_scored():
+    p, y = random_case(3, classes=(0, 1))
+    m = classification_metrics(p, y)
+    assert m["absent_classes"] == ["SCC"]
+    assert m["per_class"]["SCC"]["recall"] is None and m["per_class"]["SCC"]["absent"]
+    pred = p.argmax(1)
+    assert m["balanced_accuracy"] == pytest.approx(np.mean([np.mean(pred[y == c] == c) for c in (0, 1)]))
+
+
+def test_bootstrap_is_reproducible_and_matches_scipy():
+    p_a, y = random_case(11, n=400)
+    p_b = np.roll(p_a, 1, axis=1) * 0.3 + p_a * 0.7
+    pred_a, pred_b = p_a.argmax(1), p_b.argmax(1)
+    ours = paired_bootstrap(y, pred_a, pred_b, 4000, seed=20260730)
+    again = paired_bootstrap(y, pred_a, pred_b, 4000, seed=20260730)
+    assert ours == again
+    for key, fn in [("accuracy", lambda yy, a, b: (a == yy).mean() - (b == yy).mean()),
+                    ("macro_f1", lambda yy, a, b: macro_f1_from(yy, a) - macro_f1_from(yy, b))]:
+        ref = stats.bootstrap((y, pred_a, pred_b), fn, paired=True, vectorized=False, n_resamples=4000,
+                              method="percentile", random_state=np.random.default_rng(5))
+        lo, hi = ref.confidence_interval
+        width = hi - lo
+        # two independent Monte Carlo runs of 4,000 resamples: bounds agree to a small fraction of the width
+        assert ours[key]["ci_low"] == pytest.approx(lo, abs=0.1 * width)
+        assert ours[key]["ci_high"] == pytest.approx(hi, abs=0.1 * width)
+        assert ours[key]["difference"] == pytest.approx(fn(y, pred_a, pred_b))
+    assert 0 <= ours["macro_f1"]["p_two_sided"] <= 1 and 0 <= ours["macro_f1"]["p_delta_positive"] <= 1
+
+
+def test_identical_methods_give_zero_difference():
+    p, y = random_case(2)
+    res = paired_bootstrap(y, p.argmax(1), p.argmax(1), 500, seed=1)
+    assert res["macro_f1"]["difference"] == 0 and res["macro_f1"]["ci_low"] == 0 == res["macro_f1"]["ci_high"]
+    assert res["macro_f1"]["p_delta_positive"] == 0 and res["macro_f1"]["p_two_sided"] == 1
+
+
+def _write_pred(path, ids, labels, probs):
+    lines = ["sample_id,label,p_ACA,p_Normal,p_SCC"]
+    names = ("ACA", "Normal", "SCC")
+    lines += [f"{i},{names[y]}," + ",".join(map(str, p)) for i, y, p in zip(ids, labels, probs, strict=True)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_ensemble_aligns_by_id_and_refuses_misalignment(tmp_path):
+    _write_pred(tmp_path / "a.csv", ["x", "y"], [0, 1], [[0.6, 0.3, 0.1], [0.2, 0.7, 0.1]])
+    _write_pred(tmp_path / "b.csv", ["y", "x"], [1, 0], [[0.4, 0.5, 0.1], [0.2, 0.2, 0.6]])
+    ids, y, p = ensemble([tmp_path / "a.csv", tmp_path / "b.csv"])
+    assert ids == ["x", "y"] and y.tolist() == [0, 1]
+    assert np.allclose(p, [[0.4, 0.25, 0.35], [0.3, 0.6, 0.1]])
+    _write_pred(tmp_path / "c.csv", ["x", "z"], [0, 1], [[1, 0, 0], [0, 1, 0]])
+    with pytest.raises(AlignmentError, match="differ"):
+        ensemble([tmp_path / "a.csv", tmp_path / "c.csv"])
+    _write_pred(tmp_path / "d.csv", ["x", "y"], [2, 1], [[1, 0, 0], [0, 1, 0]])
+    with pytest.raises(AlignmentError, match="labels disagree"):
+        ensemble([tmp_path / "a.csv", tmp_path / "d.csv"])

@@ -1,0 +1,25 @@
+# Stage bootstrap: paired image-level bootstrap of one named comparison on the external cohort.
+# Only the two methods' runs are needed: `snakemake results/bootstrap/v2_vs_fedavg.json` builds
+# exactly those.
+
+
+rule bootstrap_comparison:
+    input:
+        method=lambda wildcards: comparison_inputs(wildcards.comparison, "method"),
+        reference=lambda wildcards: comparison_inputs(wildcards.comparison, "reference"),
+    output:
+        json="results/bootstrap/{comparison}.json",
+    log:
+        "logs/bootstrap/{comparison}.log",
+    params:
+        comparison=lambda wildcards: CFG.bootstrap.comparisons[wildcards.comparison].model_dump(mode="json"),
+        bootstrap=CFG.bootstrap.model_dump(mode="json", exclude={"comparisons"}),
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=20,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/bootstrap.py"

@@ -1,0 +1,26 @@
+# Stage metrics: per-run, client-level, cross-seed, ensemble and subgroup tables.
+
+
+rule summarize_metrics:
+    input:
+        predictions=lambda wildcards: [f"results/predictions/{m}/seed{s}/{c}.csv"
+                                       for m, s in train_runs() for c in ("test", "holdout", "external")],
+    output:
+        summary="results/metrics/summary.csv",
+        per_run="results/metrics/per_run.csv",
+        ensembles="results/metrics/ensembles.csv",
+        metrics="results/metrics/metrics.json",
+    log:
+        "logs/metrics/summarize_metrics.log",
+    params:
+        runs=lambda wildcards: [[m, s, f"results/predictions/{m}/seed{s}"] for m, s in train_runs()],
+        evaluate=CFG.evaluate.model_dump(mode="json"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/metrics.py"

@@ -1,0 +1,28 @@
+# Stage predict: each validation-selected checkpoint once on global test, client holdouts and
+# the external cohort.
+
+
+rule predict_cohorts:
+    input:
+        status="results/train/{method}/seed{seed}/status.json",
+        manifest="results/manifest/manifest.csv",
+        identity="results/manifest/manifest.json",
+        descriptors="results/stain/descriptors.json",
+    output:
+        test="results/predictions/{method}/seed{seed}/test.csv",
+        holdout="results/predictions/{method}/seed{seed}/holdout.csv",
+        external="results/predictions/{method}/seed{seed}/external.csv",
+    log:
+        "logs/predict/{method}/seed{seed}.log",
+    params:
+        views=CFG.views.model_dump(mode="json"),
+        evaluate=CFG.evaluate.model_dump(mode="json"),
+    threads: 1
+    resources:
+        mem_mb=lambda wildcards: 16000 if CFG.model.encoder.name == "hibou-b" else 2000,
+        runtime=lambda wildcards: 60 if CFG.model.encoder.name == "hibou-b" else 10,
+        gpu=lambda wildcards: 1 if CFG.model.encoder.name == "hibou-b" else 0,
+    conda:
+        ENV
+    script:
+        "../../scripts/predict.py"
