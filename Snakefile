@@ -9,15 +9,20 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/cohort.smk"
 include: "workflow/rules/clearance.smk"
 include: "workflow/rules/manifest.smk"
 include: "workflow/rules/stain.smk"
+include: "workflow/rules/pretrain.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/predict.smk"
 include: "workflow/rules/metrics.smk"
 include: "workflow/rules/bootstrap.smk"
+include: "workflow/rules/report.smk"
 include: "workflow/rules/accounting.smk"
 
 

@@ -14,7 +14,7 @@ if "snakemake" in globals():
     smk = globals()["snakemake"]
     run_predict(smk.wildcards.method, int(smk.wildcards.seed), Path(smk.input.status).parent, smk.input.manifest,
                 smk.input.identity, smk.input.descriptors, from_snakemake(smk), Path(smk.output.test).parent,
-                threads=smk.threads)
+                encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="config/config.yaml")
@@ -22,7 +22,8 @@ elif __name__ == "__main__":
     parser.add_argument("--seed", type=int, required=True)
     args = parser.parse_args()
     setup_logging()
+    cfg = load_config_file(args.config)
     run = f"{args.method}/seed{args.seed}"
     run_predict(args.method, args.seed, f"results/train/{run}", "results/manifest/manifest.csv",
-                "results/manifest/manifest.json", "results/stain/descriptors.json", load_config_file(args.config),
-                f"results/predictions/{run}")
+                "results/manifest/manifest.json", "results/stain/descriptors.json", cfg, f"results/predictions/{run}",
+                encoder_dir="results/pretrain/encoder" if cfg.model.pretrain.enabled else None)

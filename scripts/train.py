@@ -16,7 +16,8 @@ if "snakemake" in globals():
     smk = globals()["snakemake"]
     config = from_snakemake(smk)
     run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
-              smk.input.descriptors, config, Path(smk.output.status).parent, threads=smk.threads)
+              smk.input.descriptors, config, Path(smk.output.status).parent,
+              encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="config/config.yaml")
@@ -26,8 +27,9 @@ elif __name__ == "__main__":
     parser.add_argument("--manifest", default="results/manifest/manifest.csv")
     parser.add_argument("--identity", default="results/manifest/manifest.json")
     parser.add_argument("--descriptors", default="results/stain/descriptors.json")
+    parser.add_argument("--encoder-dir", default=None, help="pretrained encoder folder (results/pretrain/encoder)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     setup_logging()
     run_train(args.method, args.seed, args.manifest, args.identity, args.descriptors, load_config_file(args.config),
-              args.out, threads=args.threads)
+              args.out, encoder_dir=args.encoder_dir, threads=args.threads)

@@ -25,6 +25,7 @@ def workdir(tmp_path_factory, repo: Path, snakemake_bin: str) -> Path:
     cfg = yaml.safe_load((repo / "config/config.yaml").read_text())
     # the real Snakefile on a tiny config: two methods, one seed, two rounds
     cfg["train"].update(methods=["fedavg_peft", "past_v2"], seeds=[11], ablations=[], max_rounds=2)
+    cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)
     (wd / "config").mkdir()
     (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
     proc = snakemake(snakemake_bin, repo, wd, "--cores", "2", "all")
@@ -128,3 +129,16 @@ def test_metrics_and_named_bootstrap(workdir: Path, repo: Path, snakemake_bin: s
     log = proc.stdout + proc.stderr
     assert "bootstrap_comparison" in log and "train_federated" not in log and "predict_cohorts" not in log
     assert json.loads((workdir / "results/bootstrap/v2_vs_fedavg.json").read_text())["metrics"] == doc["metrics"]
+
+
+def test_tables_figures_and_html_report(workdir: Path, repo: Path, snakemake_bin: str):
+    for name in ("table4_internal", "table5_external", "table6_bootstrap", "table7_ablation", "table8_communication"):
+        assert (workdir / f"results/tables/{name}.csv").exists() and (workdir / f"results/tables/{name}.md").exists()
+    t5 = (workdir / "results/tables/table5_external.md").read_text()
+    assert "past_v2" in t5 and "recall_SCC" in t5
+    for fig in ("ensemble_macro_f1", "class_recall", "confusion_v2", "ablation_forest", "reliability"):
+        assert (workdir / f"results/figures/{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    proc = snakemake(snakemake_bin, repo, workdir, "--report", str(workdir / "report.html"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    html = (workdir / "report.html").read_text(errors="replace")
+    assert "Reliability diagram" in html and "method-level ensembles" in html

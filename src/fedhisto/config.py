@@ -162,8 +162,20 @@ class EncoderConfig(Strict):
     require_pretrained: bool = True
 
 
+class PretrainConfig(Strict):
+    """Pipeline pretraining of the tiny encoder (HIBOU-B arrives pretrained and is never retrained)."""
+
+    enabled: bool = Field(False, description="pretrain the tiny encoder on a disjoint synthetic pool")
+    images_per_class: int = Field(200, ge=10)
+    epochs: int = Field(8, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    batch: int = Field(32, ge=1)
+    seed: int = Field(777, description="pool seed; the pool never overlaps the cohort (different seed stream)")
+
+
 class ModelConfig(Strict):
     encoder: EncoderConfig = EncoderConfig()
+    pretrain: PretrainConfig = PretrainConfig()
     lora_r: int = Field(8, ge=1)
     lora_alpha: float = Field(16, gt=0)
     lora_dropout: float = Field(0.05, ge=0, lt=1)
@@ -250,6 +262,8 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        if self.model.pretrain.enabled and self.model.encoder.name != "tiny":
+            raise ValueError("model.pretrain.enabled only applies to the tiny encoder; HIBOU-B is loaded pretrained")
         if tuple(self.classes) != CLASSES:
             raise ValueError(f"classes must be exactly {list(CLASSES)} in that order (got {list(self.classes)})")
         if self.cohort.mode == "real" and self.manifest.targets is None:

@@ -49,13 +49,14 @@ def load_eligible_checkpoint(train_dir: Path, dataset_identity: str) -> tuple[di
 
 
 def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str | Path, manifest_json: str | Path,
-                descriptors_json: str | Path, cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
+                descriptors_json: str | Path, cfg: Config, out_dir: str | Path, encoder_dir: str | None = None,
+                threads: int = 1) -> dict:
     torch.set_num_threads(max(threads, 1))
     train_dir, out = Path(train_dir), Path(out_dir)
     identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
     ckpt, status = load_eligible_checkpoint(train_dir, identity)
     device = pick_device()
-    model = build_model(cfg, method, seed, None).to(device)
+    model = build_model(cfg, method, seed, encoder_dir).to(device)
     model.load_trainable_state(ckpt["best"]["state"])
     with Path(manifest_csv).open() as fh:
         meta = {r["sample_id"]: r for r in csv.DictReader(fh)}

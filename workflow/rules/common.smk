@@ -30,6 +30,11 @@ def train_runs():
     return runs + [(m, s) for m in CFG.train.ablations for s in CFG.train.ablation_seeds]
 
 
+def encoder_input(wildcards):
+    """The pipeline-pretrained tiny encoder, when the config asks for one."""
+    return ["results/pretrain/encoder"] if CFG.model.pretrain.enabled else []
+
+
 def seeds_of(method):
     return CFG.train.seeds if method in CFG.train.methods else CFG.train.ablation_seeds
 
@@ -51,6 +56,7 @@ def comparisons_in_config():
 def all_targets():
     return cohort_outputs() + [f"results/train/{m}/seed{s}/status.json" for m, s in train_runs()] + [
         "results/metrics/summary.csv",
+        "results/tables/table4_internal.csv",
         *[f"results/bootstrap/{n}.json" for n in comparisons_in_config()],
         "results/clearance/report.md",
         "results/manifest/composition.csv",

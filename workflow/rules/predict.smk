@@ -8,6 +8,7 @@ rule predict_cohorts:
         manifest="results/manifest/manifest.csv",
         identity="results/manifest/manifest.json",
         descriptors="results/stain/descriptors.json",
+        encoder=encoder_input,
     output:
         test="results/predictions/{method}/seed{seed}/test.csv",
         holdout="results/predictions/{method}/seed{seed}/holdout.csv",

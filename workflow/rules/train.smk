@@ -8,6 +8,7 @@ rule train_federated:
         manifest="results/manifest/manifest.csv",
         identity="results/manifest/manifest.json",
         descriptors="results/stain/descriptors.json",
+        encoder=encoder_input,
     output:
         status="results/train/{method}/seed{seed}/status.json",
         history="results/train/{method}/seed{seed}/history.csv",

@@ -1,0 +1,14 @@
+"""Stage pretrain: results/pretrain/encoder (save_pretrained folder + pretrain_report.json).
+
+Standalone: ``python scripts/pretrain.py --config config/config.yaml --out results/pretrain/encoder``.
+"""
+
+from fedhisto.entry import from_argv, from_snakemake
+from fedhisto.pretrain import run_pretrain
+
+if "snakemake" in globals():
+    smk = globals()["snakemake"]
+    run_pretrain(from_snakemake(smk), smk.output.encoder, threads=smk.threads)
+elif __name__ == "__main__":
+    config, args = from_argv(__doc__, out="output folder")
+    run_pretrain(config, args.out, threads=args.threads)

@@ -1,0 +1,88 @@
+"""Stage ``pretrain``: give the tiny encoder meaningful frozen features.
+
+A frozen encoder is only meaningful if its features are. HIBOU-B brings them from pathology
+pretraining; the CPU-sized tiny encoder of the embedded default gets them here, supervised on a
+synthetic pool rendered from its own seed stream (disjoint from every client, validation, test
+and external image) with only the five client sites' stains, each image seen through the
+training views' stain perturbation. The external site's stain is never shown. The encoder is
+then saved with ``save_pretrained`` and loaded through the same strict loader as HIBOU-B.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedhisto import CLASSES
+from fedhisto.atomic import write_json
+from fedhisto.config import Config
+from fedhisto.model.encoder import random_encoder
+from fedhisto.provenance import provenance_block
+from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.synth.tissue import tissue
+from fedhisto.views import training_views
+
+log = logging.getLogger(__name__)
+STAGE = "pretrain"
+CLIENT_SITES = [s for s in SITE_STYLES if s != "external"]
+
+
+def render_pool(cfg: Config) -> tuple[list[np.ndarray], list[int]]:
+    pc = cfg.model.pretrain
+    size = cfg.cohort.synthetic.image_size
+    images, labels = [], []
+    for c, cls in enumerate(CLASSES):
+        for k in range(pc.images_per_class):
+            rng = np.random.default_rng(np.random.SeedSequence([pc.seed, 99, c, k]))  # own stream: no overlap
+            site = CLIENT_SITES[int(rng.integers(len(CLIENT_SITES)))]
+            diff = str(rng.choice(["", "well", "moderately", "poorly"])) if cls != "Normal" else ""
+            h, e = tissue(cls, rng, size, size / 128 * float(rng.choice([1.0, 1.3])), diff)
+            images.append(render_rgb(h, e, SITE_STYLES[site].jittered(rng), rng, size / 128))
+            labels.append(c)
+    return images, labels
+
+
+def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
+    torch.set_num_threads(max(threads, 1))
+    pc = cfg.model.pretrain
+    torch.manual_seed(pc.seed)
+    images, labels = render_pool(cfg)
+    encoder = random_encoder(cfg.model.encoder.name)
+    head = nn.Linear(encoder.config.hidden_size, len(CLASSES))
+    params = [*encoder.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=pc.lr, weight_decay=1e-4)
+    steps = pc.epochs * -(-len(images) // pc.batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=pc.lr, total_steps=steps, pct_start=0.15)
+    y_all = torch.tensor(labels)
+    history = []
+    for epoch in range(pc.epochs):
+        order = np.random.default_rng(np.random.SeedSequence([pc.seed, 1, epoch])).permutation(len(images))
+        correct, total_loss = 0, 0.0
+        encoder.train()
+        for start in range(0, len(order), pc.batch):
+            idx = order[start:start + pc.batch]
+            x = torch.stack([training_views(images[i], cfg.views, pc.seed, epoch, f"{i:x}", paired=False,
+                                            stain_single=True)[0] for i in idx])
+            logits = head(encoder(pixel_values=x).pooler_output)
+            loss = nn.functional.cross_entropy(logits, y_all[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total_loss += float(loss.detach()) * len(idx)
+            correct += int((logits.argmax(1) == y_all[idx]).sum())
+        history.append({"epoch": epoch + 1, "loss": total_loss / len(order), "train_accuracy": correct / len(order)})
+        log.info("pretrain epoch %d: %s", epoch + 1, history[-1])
+    out = Path(out_dir)
+    encoder.eval()
+    encoder.save_pretrained(out)
+    report = {"pool_images": len(images), "sites": CLIENT_SITES, "history": history,
+              "provenance": provenance_block(STAGE, {"pretrain": pc.model_dump(mode="json"),
+                                                     "encoder": cfg.model.encoder.name,
+                                                     "views": cfg.views.model_dump(mode="json")})}
+    write_json(out / "pretrain_report.json", report)
+    return report

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedhisto.config import ConfigError, EncoderConfig, load_config
+from fedhisto.model.encoder import load_encoder
+from fedhisto.pretrain import CLIENT_SITES, render_pool, run_pretrain
+
+SMALL = {"model": {"encoder": {"name": "tiny"}, "pretrain": {"enabled": True, "images_per_class": 10, "epochs": 1}},
+         "views": {"crop_size": 48}}
+
+
+def test_pretrained_encoder_loads_through_the_strict_loader(tmp_path: Path):
+    cfg = load_config(SMALL)
+    report = run_pretrain(cfg, tmp_path / "enc")
+    assert report["pool_images"] == 30 and "external" not in report["sites"]
+    assert json.loads((tmp_path / "enc/pretrain_report.json").read_text())["history"][0]["epoch"] == 1
+    enc = load_encoder(EncoderConfig(name="tiny", require_pretrained=True), tmp_path / "enc")
+    assert not any(p.requires_grad for p in enc.parameters())
+    fresh = load_encoder(EncoderConfig(name="tiny", require_pretrained=False))
+    moved = any(not torch.equal(a, b) for a, b in zip(enc.state_dict().values(), fresh.state_dict().values(),
+                                                       strict=True))
+    assert moved, "pretraining must change the weights"
+
+
+def test_pool_is_deterministic_and_uses_client_sites_only():
+    cfg = load_config(SMALL)
+    a, la = render_pool(cfg)
+    b, lb = render_pool(cfg)
+    assert la == lb == [0] * 10 + [1] * 10 + [2] * 10
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert "external" not in CLIENT_SITES and len(CLIENT_SITES) == 5
+
+
+def test_pretraining_hibou_is_refused():
+    with pytest.raises(ConfigError, match="only applies to the tiny encoder"):
+        load_config({"model": {"pretrain": {"enabled": True}}})

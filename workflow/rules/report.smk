@@ -1,0 +1,34 @@
+# Stage report: tables mirroring the study's Tables 4-8 and figures; `snakemake --report
+# report.html` bundles them, with the captions in workflow/report/.
+
+
+rule make_report:
+    input:
+        metrics="results/metrics/metrics.json",
+        bootstrap=lambda wildcards: [f"results/bootstrap/{n}.json" for n in comparisons_in_config()],
+        communication="results/accounting/communication.csv",
+        external=lambda wildcards: [f"results/predictions/{m}/seed{s}/external.csv" for m, s in train_runs()],
+    output:
+        t4=report("results/tables/table4_internal.csv", caption="../report/table4.rst", category="Tables"),
+        t5=report("results/tables/table5_external.csv", caption="../report/table5.rst", category="Tables"),
+        t6=report("results/tables/table6_bootstrap.csv", caption="../report/table6.rst", category="Tables"),
+        t7=report("results/tables/table7_ablation.csv", caption="../report/table7.rst", category="Tables"),
+        t8=report("results/tables/table8_communication.csv", caption="../report/table8.rst", category="Tables"),
+        ensemble=report("results/figures/ensemble_macro_f1.png", caption="../report/ensemble.rst", category="Figures"),
+        recall=report("results/figures/class_recall.png", caption="../report/class_recall.rst", category="Figures"),
+        confusion=report("results/figures/confusion_v2.png", caption="../report/confusion.rst", category="Figures"),
+        forest=report("results/figures/ablation_forest.png", caption="../report/ablation.rst", category="Figures"),
+        reliability=report("results/figures/reliability.png", caption="../report/reliability.rst", category="Figures"),
+    log:
+        "logs/report/make_report.log",
+    params:
+        runs=lambda wildcards: [[m, s] for m, s in train_runs()],
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/report.py"
