@@ -42,7 +42,7 @@ def write_corpus(tmp_path: Path, profile: str, copies_as_separate_families: bool
     for m in members:
         root = by_key[m.source_key] if m.transform else m
         fam = f"fam-{root.key}"
-        keep = not m.transform or copies_as_separate_families
+        keep = not m.transform or (copies_as_separate_families and m.cohort == root.cohort)
         fam_rows.append({"relpath": m.relpath, "path": f"/x/{m.relpath}", "label": m.label, "site": m.site,
                          "cohort": m.cohort, "sha256": f"sha-{m.key}", "family": fam, "family_size": 1,
                          "representative": not m.transform, "keep": keep})
@@ -141,3 +141,19 @@ def test_too_small_corpus_scales_targets_proportionally(tmp_path: Path):
     _, info = build_manifest(sources, families, cfg)
     assert 0 < info["scale_factor"] < 1
     assert info["targets"]["clients"]["C1"][0] <= 7
+
+
+def test_whole_families_stay_in_one_partition(tmp_path: Path):
+    cfg = load_config({"clearance": {"family_policy": "whole_families"}})
+    sources, families, edges = write_corpus(tmp_path, "small", copies_as_separate_families=True)
+    with families.open() as fh:
+        fams = list(csv.DictReader(fh))
+    rows, _ = build_manifest(sources, families, cfg)
+    assert len(rows) == sum(r["keep"] == "True" for r in fams) > 400  # every kept image is placed
+    where: dict[str, set] = {}
+    for r in rows:
+        where.setdefault(r["family"], set()).add((r["partition"], r["split"]))
+    multi = [f for f in where if sum(1 for r in rows if r["family"] == f) > 1]
+    assert multi and all(len(where[f]) == 1 for f in multi)
+    audit = boundary_audit(rows, edges)
+    assert audit["cross_boundary_family_edges"] == [] and audit["cross_boundary_exact_matches"] == []

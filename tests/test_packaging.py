@@ -74,3 +74,12 @@ def test_every_rule_declares_log_and_resources(repo: Path):
 def test_console_script_runs():
     proc = subprocess.run([sys.executable, "-m", "fedhisto.cli", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("fedhisto ")
+
+
+def test_slurm_profile_maps_declared_resources(repo: Path, snakemake_bin: str):
+    profile = yaml.safe_load((repo / "workflow/profiles/slurm/config.yaml").read_text())
+    assert profile["executor"] == "slurm" and profile["retries"] >= 1 and profile["latency-wait"] >= 30
+    assert "slurm_account" not in profile["default-resources"]  # left to the user, documented in README
+    proc = subprocess.run([snakemake_bin, "--workflow-profile", "workflow/profiles/slurm", "-n", "all"], cwd=repo,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -129,3 +129,26 @@ def test_checkpoint_holds_adapters_only(prepared: dict, tmp_path: Path):
     state = final_state(out)
     assert all(("lora_" in k) or k.startswith(("adapter.", "film.", "classifier.")) for k in state)
     assert not any(k.startswith("encoder.") and "lora_" not in k for k in state)
+
+
+def test_failed_validation_writes_failure_not_report_and_checkpoint_still_predicts(prepared: dict, tmp_path: Path,
+                                                                                   monkeypatch):
+    import fedhisto.train.stage as stage
+    from fedhisto.predict import PredictionRefused, run_predict
+
+    monkeypatch.setattr(stage, "validate_outcome", lambda ckpt, metric: ["report failed validation (injected)"])
+    out = tmp_path / "failing"
+    cfg = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}})
+    train(prepared, "fedprox_peft", out, cfg=cfg)
+    assert not (out / "report.json").exists()
+    failure = json.loads((out / "failure.json").read_text())
+    assert failure["problems"] == ["report failed validation (injected)"] and failure["checkpoint_usable"]
+    assert json.loads((out / "status.json").read_text())["status"] == "failed"
+    summary = run_predict("fedprox_peft", 11, out, prepared["manifest"], prepared["identity"], prepared["descriptors"],
+                          cfg, tmp_path / "pred")
+    assert summary["status"] == "failed" and summary["images"]["external"] == 64
+    assert "failed" in (tmp_path / "pred/test.csv").read_text()
+    other = tmp_path / "other_identity.json"
+    other.write_text(json.dumps({"dataset_identity": "0" * 64}))
+    with pytest.raises(PredictionRefused, match="dataset identity"):
+        run_predict("fedprox_peft", 11, out, prepared["manifest"], other, prepared["descriptors"], cfg, tmp_path / "p2")

@@ -97,28 +97,53 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
     internal = Counter(by_id[i]["label"] for i in internal_ids)
     targets, factor = scale_targets(cfg.partition_targets(), available, cfg.manifest.client_sites, internal)
     seed = cfg.manifest.split_seed
+    # Units are what must stay together: a whole family (family_policy whole_families) or one image.
+    members: dict[str, list[str]] = defaultdict(list)
+    for i in internal_ids:
+        members[by_id[i]["family"]].append(i)
+    unit_of = {i: sorted(members[by_id[i]["family"]]) for i in internal_ids}
     assignment: dict[str, tuple[str, str, str]] = {}  # id -> (partition, client, split)
+
+    def take(candidates: list[str], count: int, units: dict[str, list[str]]) -> list[str]:
+        """Greedy fill in the given order, a unit only when all of it fits and none of it is placed."""
+        chosen: list[str] = []
+        placed: set[str] = set()
+        for i in candidates:
+            if len(chosen) == count:
+                break
+            unit = units.get(i, [i])
+            if i in placed or any(u in assignment or u in placed for u in unit) or len(chosen) + len(unit) > count:
+                continue
+            chosen += unit
+            placed.update(unit)
+        return chosen
+
     for k, (client, pool) in enumerate(sorted(targets.clients.items())):
         sites = set(cfg.manifest.client_sites.get(client, []))
         for c, cls in enumerate(CLASSES):
             free = [i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls
                     and (not sites or by_id[i]["site"] in sites)]
-            chosen = _order(free, seed, 1, k, c)[:pool[c]]
+            chosen = take(_order(free, seed, 1, k, c), pool[c], unit_of)
             if len(chosen) < pool[c]:
                 raise ManifestError(f"client {client} needs {pool[c]} {cls} images from sites {sorted(sites)}, "
                                     f"only {len(chosen)} left")
             n_hold = holdout_count(len(chosen), cfg.manifest.holdout_fraction[client])
-            ordered = _order(chosen, seed, 2, k, c)
-            for j, i in enumerate(ordered):
-                assignment[i] = (client, client, "holdout" if j < n_hold else "optimisation")
+            in_pool = set(chosen)  # holdouts are drawn in whole units of this pool too
+            holdout = set(take(_order(chosen, seed, 2, k, c), n_hold,
+                               {i: [u for u in unit_of[i] if u in in_pool] for i in chosen}))
+            for i in chosen:
+                assignment[i] = (client, client, "holdout" if i in holdout else "optimisation")
     for c, cls in enumerate(CLASSES):
         free = _order([i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls], seed, 3, c)
         need = targets.validation[c] + targets.test[c]
         if len(free) < need:
             raise ManifestError(f"validation+test need {need} {cls} images, only {len(free)} left")
-        for j, i in enumerate(free):
-            split = "validation" if j < targets.validation[c] else "test" if j < need else "unused"
-            assignment[i] = (split, "", split)
+        for split, count in (("validation", targets.validation[c]), ("test", targets.test[c])):
+            for i in take([i for i in free if i not in assignment], count, unit_of):
+                assignment[i] = (split, "", split)
+        for i in free:
+            if i not in assignment:
+                assignment[i] = ("unused", "", "unused")
     for i, r in by_id.items():
         if r["cohort"] == "external":
             assignment[i] = ("external", "", "external")

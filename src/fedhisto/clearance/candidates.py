@@ -45,24 +45,11 @@ def global_descriptor(rgb: np.ndarray) -> np.ndarray:
 
 def knn_pairs(desc: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, int], float]:
     """Symmetrised k-nearest-neighbour pairs (cosine similarity after per-dimension standardisation)."""
-    n = len(desc)
-    if n < 2:
+    if len(desc) < 2:
         return {}
     z = (desc - desc.mean(0)) / (desc.std(0) + 1e-9)
     z /= np.linalg.norm(z, axis=1, keepdims=True) + 1e-12
-    k = min(k, n - 1)
-    pairs: dict[tuple[int, int], float] = {}
-    for start in range(0, n, chunk):
-        sim = z[start:start + chunk] @ z.T
-        for r in range(sim.shape[0]):
-            sim[r, start + r] = -np.inf
-        top = np.argpartition(-sim, k - 1, axis=1)[:, :k]
-        for r in range(sim.shape[0]):
-            i = start + r
-            for j in top[r].tolist():
-                key = (min(i, j), max(i, j))
-                pairs[key] = max(pairs.get(key, -np.inf), float(sim[r, j]))
-    return pairs
+    return knn_cosine(z, k, chunk)
 
 
 def bag_of_words(descriptor_sets: list[np.ndarray], mirrored_sets: list[np.ndarray], n_words: int = 1024,

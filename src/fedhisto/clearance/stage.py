@@ -45,13 +45,16 @@ def family_rows(rows: list[SourceRow], result: AuditResult, policy: str) -> list
     out: list[dict] = [{}] * len(rows)
     for members in result.families:
         fid = family_id([rows[i].relpath for i in members])
+        # whole families stay together, but never across the internal / external boundary: a copy
+        # filed in the other cohort than the family's first-listed member is dropped
+        home = rows[members[0]].cohort
         for i in members:
             representative = i == members[0]  # first-listed member: originals precede copies
             out[i] = {"relpath": rows[i].relpath, "path": rows[i].path, "label": rows[i].label,
                       "site": rows[i].site, "cohort": rows[i].cohort, "sha256": result.digests[i], "family": fid,
                       "family_size": len(members),
                       "representative": representative,
-                      "keep": representative or policy == "whole_families"}
+                      "keep": representative or (policy == "whole_families" and rows[i].cohort == home)}
     return out
 
 

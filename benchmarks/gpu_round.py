@@ -1,0 +1,79 @@
+"""One federated round with the HIBOU-B shape: seconds per round and peak memory.
+
+Usage (on a machine with a GPU; also runs, slowly, on a CPU with small numbers)::
+
+    python benchmarks/gpu_round.py [--images-per-client 64] [--methods fedavg_peft past_v2]
+
+Builds the real PEFT model on a randomly initialised encoder of HIBOU-B's exact shape (timing
+does not depend on the weights, and no download is possible here), five clients with synthetic
+224 px tiles, and runs the real client update, delta-SVD aggregation, prototype exchange and
+validation pass of the training engine. Prints a Markdown table for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from fedhisto.config import load_config
+from fedhisto.methods import method_spec
+from fedhisto.model.encoder import random_encoder
+from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.synth.tissue import tissue
+from fedhisto.train.data import Split
+from fedhisto.train.loop import RunContext, run_rounds
+from fedhisto.train.stage import pick_device
+
+
+def synthetic_split(n: int, site: str, seed: int) -> Split:
+    rng = np.random.default_rng(seed)
+    labels = [k % 3 for k in range(n)]
+    images = []
+    for y in labels:
+        h, e = tissue(("ACA", "Normal", "SCC")[y], rng, 256, 2.0)
+        images.append(render_rgb(h, e, SITE_STYLES[site], rng, 2.0))
+    return Split([f"{seed:04x}{k:08x}" for k in range(n)], labels, images)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images-per-client", type=int, default=64)
+    parser.add_argument("--methods", nargs="*", default=["fedavg_peft", "past_v2"])
+    parser.add_argument("--out", default="/tmp/fedhisto_gpu_round")
+    args = parser.parse_args()
+    device = pick_device()
+    cfg = load_config({"train": {"max_rounds": 1, "patience": 10}})
+    clients = {f"C{k}": synthetic_split(args.images_per_client, f"site{k}", k) for k in range(1, 6)}
+    validation = synthetic_split(max(args.images_per_client // 2, 3), "site1", 99)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"device: {name}; images per client: {args.images_per_client}; HIBOU-B shape, random weights")
+    print("| method | seconds per round | peak GPU memory (GiB) |")
+    print("|---|---|---|")
+    for method in args.methods:
+        torch.manual_seed(0)
+        model = FedHistoModel(random_encoder("hibou-b"), cfg.model, film=method_spec(method).film).to(device)
+        desc = torch.zeros(14) if method_spec(method).film else None
+        ctx = RunContext(model=model, clients=clients, validation=validation,
+                         descriptors={**dict.fromkeys(clients, desc), "global": desc}, spec=method_spec(method),
+                         cfg=cfg, seed=11, identity={"method": method, "seed": 11, "config_hash": "bench",
+                                                     "dataset_identity": "bench"},
+                         device=device, checkpoint=__import__("pathlib").Path(args.out) / f"{method}.pt")
+        ctx.checkpoint.unlink(missing_ok=True)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run_rounds(ctx)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        print(f"| {method} | {secs:.1f} | {peak:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
