@@ -23,7 +23,7 @@ from fedhisto.atomic import write_json, write_with
 from fedhisto.bootstrap import ensemble
 from fedhisto.config import Config
 from fedhisto.evaluation import classification_metrics
-from fedhisto.provenance import provenance_block
+from fedhisto.provenance import provenance_block, write_sidecar
 
 STAGE = "metrics"
 SCALARS = ("accuracy", "balanced_accuracy", "macro_f1", "macro_auroc", "macro_auprc", "nll", "brier", "ece")
@@ -126,8 +126,11 @@ def run_metrics(runs: list[tuple[str, int, str]], cfg: Config, out_dir: str | Pa
     _write_table(out / "client_level.csv", clients_tbl)
     _write_table(out / "ensembles.csv", ens_rows)
     _write_table(out / "subgroups.csv", subgroup_rows)
-    payload = {"runs": doc, "ensembles": ensembles, "summary": summary,
-               "provenance": provenance_block(STAGE, cfg.evaluate.model_dump(mode="json"),
-                                              {f"{m}/seed{s}": Path(f) / "external.csv" for m, s, f in runs})}
+    prov = provenance_block(STAGE, cfg.evaluate.model_dump(mode="json"),
+                            {f"{m}/seed{s}/{c}": Path(f) / f"{c}.csv" for m, s, f in runs
+                             for c in ("test", "holdout", "external")})
+    payload = {"runs": doc, "ensembles": ensembles, "summary": summary, "provenance": prov}
     write_json(out / "metrics.json", json.loads(json.dumps(payload, default=float)))
+    for name in ("per_run.csv", "summary.csv", "client_level.csv", "ensembles.csv", "subgroups.csv"):
+        write_sidecar(out / name, prov)
     return payload

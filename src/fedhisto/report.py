@@ -21,6 +21,7 @@ import numpy as np
 from fedhisto import CLASSES
 from fedhisto.atomic import write_text, write_with
 from fedhisto.bootstrap import ensemble
+from fedhisto.provenance import provenance_block, write_sidecar
 
 STAGE = "report"
 
@@ -150,3 +151,9 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
     ax.set_title("Reliability, external ensembles (15 bins)")
     ax.legend()
     _save(fig, figures / "reliability.png")
+    prov = provenance_block(STAGE, {"tables": "4-8", "figures": 5},
+                            {"metrics": metrics_json, "communication": communication_csv,
+                             **{Path(p).name: p for p in bootstrap_jsons}})
+    for path in [*sorted(tables.glob("table*")), *sorted(figures.glob("*.png"))]:
+        if not path.name.endswith(".prov.json"):
+            write_sidecar(path, prov)
