@@ -91,6 +91,8 @@ def test_killed_run_resumes_to_the_identical_result(prepared: dict, tmp_path: Pa
     assert ref.keys() == res.keys() and all(torch.equal(ref[k], res[k]) for k in ref)
     assert (reference / "validation_predictions.csv").read_bytes() == (killed / "validation_predictions.csv").read_bytes()
     assert (reference / "history.csv").read_text().count("\n") == (killed / "history.csv").read_text().count("\n")
+    assert json.loads((killed / "report.json").read_text())["resumed_at_rounds"] == [resumed_from]
+    assert json.loads((reference / "report.json").read_text())["resumed_at_rounds"] == []
 
 
 def test_resume_refuses_other_identity_and_pipeline_starts_over(prepared: dict, tmp_path: Path):

@@ -88,6 +88,10 @@ def macro_f1(probs: torch.Tensor, labels: list[int]) -> float:
 def run_rounds(ctx: RunContext) -> dict:
     t = ctx.cfg.train
     ckpt = load_checkpoint(ctx.checkpoint, ctx.identity)
+    if ckpt is not None:
+        log.info("resuming %s seed %d from %s after round %d", ctx.identity["method"], ctx.seed, ctx.checkpoint,
+                 ckpt["round"])
+        ckpt.setdefault("resumed_at_rounds", []).append(ckpt["round"])
     if ckpt is None:
         state = ctx.model.trainable_state()
         ckpt = {"format": CHECKPOINT_FORMAT, "identity": ctx.identity, "round": 0, "global_state": state,

@@ -130,6 +130,7 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
     problems = validate_outcome(ckpt, metric)
     summary = {"method": method, "seed": seed, "identity": identity, "device": str(device),
                "rounds": ckpt["round"], "best_round": ckpt["best"]["round"], "early_stopped": ckpt["stopped"],
+               "resumed_at_rounds": ckpt.get("resumed_at_rounds", []),
                "validation_macro_f1": metric, "provenance": prov, "pid": os.getpid()}
     if problems:
         write_json(out / "failure.json", {**summary, "failed": "validation of checkpoint/report", "problems": problems,
