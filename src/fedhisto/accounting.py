@@ -17,13 +17,12 @@ need for the v2 loss: 75 bytes per round with five clients, 0.00007 MiB (see the
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_with
+from fedhisto.atomic import write_csv
 from fedhisto.config import Config
 from fedhisto.methods import method_spec
 from fedhisto.model.card import meta_model, model_card
@@ -97,13 +96,7 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
 def run_accounting(cfg: Config, out_csv: str | Path) -> list[dict]:
     rows = communication_table(cfg)
 
-    def writer(tmp: Path) -> None:
-        with tmp.open("w", newline="") as handle:
-            w = csv.DictWriter(handle, fieldnames=list(rows[0]), lineterminator="\n")
-            w.writeheader()
-            w.writerows(rows)
-
-    write_with(out_csv, writer)
+    write_csv(out_csv, rows)
     block = {"model": cfg.model.model_dump(mode="json"), "methods": [r["method"] for r in rows],
              "targets": cfg.partition_targets().model_dump(mode="json")}
     write_sidecar(out_csv, provenance_block(STAGE, block))

@@ -44,6 +44,21 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def write_csv(path: str | os.PathLike[str], rows: list[dict], columns: list[str] | tuple[str, ...] | None = None) -> None:
+    """Atomically write dict rows; columns default to the union of the rows' keys in first-seen order."""
+    import csv
+
+    cols = list(columns) if columns is not None else list(dict.fromkeys(k for r in rows for k in r))
+
+    def writer(tmp: Path) -> None:
+        with tmp.open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=cols, lineterminator="\n")
+            w.writeheader()
+            w.writerows(rows)
+
+    write_with(path, writer)
+
+
 def write_with(path: str | os.PathLike[str], writer: Callable[[Path], None]) -> None:
     """Call ``writer(tmp_path)`` and atomically move the result onto ``path``."""
     with atomic_path(path) as tmp:

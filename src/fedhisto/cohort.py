@@ -9,7 +9,6 @@ each family lands exactly on the profile's counts.
 
 from __future__ import annotations
 
-import csv
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -22,10 +21,10 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_bytes, write_json, write_with
+from fedhisto.atomic import write_bytes, write_csv, write_json, write_with
 from fedhisto.config import CohortConfig, SyntheticCohort
 from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.sources import SourceRow, collect_sources, read_sources_csv, write_sources_csv
+from fedhisto.sources import SourceRow, collect_sources, write_sources_csv
 from fedhisto.synth.families import encode_jpeg, make_copy
 from fedhisto.synth.profiles import PROFILES
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
@@ -187,17 +186,11 @@ PLANTED_COLUMNS = ("family", "role", "relpath", "label", "site", "cohort", "tran
 def write_planted(path: Path, members: list[Member]) -> None:
     by_key = {m.key: m for m in members}
 
-    def writer(tmp: Path) -> None:
-        with tmp.open("w", newline="") as handle:
-            w = csv.DictWriter(handle, fieldnames=PLANTED_COLUMNS, lineterminator="\n")
-            w.writeheader()
-            for m in sorted((m for m in members if m.family >= 0), key=lambda m: (m.family, bool(m.transform), m.key)):
-                orig = by_key.get(m.source_key, m)
-                w.writerow({"family": m.family, "role": "copy" if m.transform else "original", "relpath": m.relpath,
-                            "label": m.label, "site": m.site, "cohort": m.cohort, "transform": m.transform,
-                            "detail": m.detail, "original_relpath": orig.relpath})
-
-    write_with(path, writer)
+    rows = [{"family": m.family, "role": "copy" if m.transform else "original", "relpath": m.relpath,
+             "label": m.label, "site": m.site, "cohort": m.cohort, "transform": m.transform, "detail": m.detail,
+             "original_relpath": by_key.get(m.source_key, m).relpath}
+            for m in sorted((m for m in members if m.family >= 0), key=lambda m: (m.family, bool(m.transform), m.key))]
+    write_csv(path, rows, PLANTED_COLUMNS)
 
 
 def contact_sheet(rows: Sequence[SourceRow], path: Path, per_class: int = 3, tile: int = 112) -> None:
@@ -258,6 +251,3 @@ def run_cohort(cfg: CohortConfig, out_dir: str | Path, threads: int = 1) -> dict
         write_sidecar(out / name, prov)
     return summary
 
-
-def load_sources(path: str | Path) -> list[SourceRow]:
-    return read_sources_csv(path)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_json, write_with
+from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config, PartitionTargets
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.sources import read_sources_csv
@@ -205,16 +205,6 @@ def dataset_identity(rows: list[dict]) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def _csv_writer(rows: list[dict], columns) -> callable:
-    def writer(tmp: Path) -> None:
-        with tmp.open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(columns), lineterminator="\n")
-            w.writeheader()
-            w.writerows(rows)
-
-    return writer
-
-
 def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: str | Path, cfg: Config,
                  out_dir: str | Path) -> dict:
     rows, info = build_manifest(sources_csv, families_csv, cfg)
@@ -228,8 +218,8 @@ def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: s
              "family_policy": cfg.clearance.family_policy}
     prov = provenance_block(STAGE, block, {"sources": sources_csv, "families": families_csv, "edges": edges_csv})
     comp = composition(rows)
-    write_with(out / "manifest.csv", _csv_writer(rows, MANIFEST_COLUMNS))
-    write_with(out / "composition.csv", _csv_writer(comp, ["partition", "subset", *CLASSES, "total"]))
+    write_csv(out / "manifest.csv", rows, MANIFEST_COLUMNS)
+    write_csv(out / "composition.csv", comp, ["partition", "subset", *CLASSES, "total"])
     summary = {"dataset_identity": dataset_identity(rows), "images": len(rows), **info,
                "boundary_audit": {**audit, "result": "zero cross-boundary exact and family edges"},
                "provenance": prov}

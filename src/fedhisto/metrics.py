@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_json, write_with
+from fedhisto.atomic import write_csv, write_json
 from fedhisto.bootstrap import ensemble
 from fedhisto.config import Config
 from fedhisto.evaluation import classification_metrics
@@ -38,18 +38,6 @@ def _metrics_of(rows: list[dict], bins: int) -> dict:
     y = np.array([CLASSES.index(r["label"]) for r in rows])
     p = np.array([[float(r[f"p_{c}"]) for c in CLASSES] for r in rows])
     return classification_metrics(p, y, bins)
-
-
-def _write_table(path: Path, rows: list[dict]) -> None:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-
-    def writer(tmp: Path) -> None:
-        with tmp.open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=cols, lineterminator="\n")
-            w.writeheader()
-            w.writerows(rows)
-
-    write_with(path, writer)
 
 
 def _flat(m: dict) -> dict:
@@ -121,11 +109,11 @@ def run_metrics(runs: list[tuple[str, int, str]], cfg: Config, out_dir: str | Pa
             for (value, cls), idx in sorted(groups.items()):
                 subgroup_rows.append({"method": method, "variable": key, "value": value, "class": cls, "n": len(idx),
                                       "accuracy": round(float((p[idx].argmax(1) == y[idx]).mean()), 6)})
-    _write_table(out / "per_run.csv", per_run)
-    _write_table(out / "summary.csv", summary)
-    _write_table(out / "client_level.csv", clients_tbl)
-    _write_table(out / "ensembles.csv", ens_rows)
-    _write_table(out / "subgroups.csv", subgroup_rows)
+    write_csv(out / "per_run.csv", per_run)
+    write_csv(out / "summary.csv", summary)
+    write_csv(out / "client_level.csv", clients_tbl)
+    write_csv(out / "ensembles.csv", ens_rows)
+    write_csv(out / "subgroups.csv", subgroup_rows)
     prov = provenance_block(STAGE, cfg.evaluate.model_dump(mode="json"),
                             {f"{m}/seed{s}/{c}": Path(f) / f"{c}.csv" for m, s, f in runs
                              for c in ("test", "holdout", "external")})

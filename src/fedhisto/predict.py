@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_with
+from fedhisto.atomic import write_csv
 from fedhisto.config import Config
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.train.client import predict
@@ -60,11 +60,12 @@ def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str
     model.load_trainable_state(ckpt["best"]["state"])
     with Path(manifest_csv).open() as fh:
         meta = {r["sample_id"]: r for r in csv.DictReader(fh)}
-    parts = load_partitions(manifest_csv, cfg.views.crop_size)
-    clients = sorted(k for k in parts if k.startswith("C") and ":" not in k)
+    # inference never touches the optimisation images: do not decode them
+    parts = load_partitions(manifest_csv, cfg.views.crop_size, splits=("holdout", "test", "external"))
+    clients = sorted({k.split(":")[0] for k in parts if k.endswith(":holdout")})
     desc = descriptors_for(method, descriptors_json, clients)
     groups = {"test": [("test", "global")], "external": [("external", "global")],
-              "holdout": [(f"{c}:holdout", c) for c in clients if f"{c}:holdout" in parts]}
+              "holdout": [(f"{c}:holdout", c) for c in clients]}
     prov = provenance_block(STAGE, {"method": method, "seed": seed, "views": cfg.views.model_dump(mode="json")},
                             {"checkpoint": train_dir / "checkpoint.pt", "manifest": manifest_csv,
                              "descriptors": descriptors_json})
@@ -80,14 +81,7 @@ def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str
                              "pred": CLASSES[int(p.argmax())], "cohort": cohort, "client": m["client"],
                              "differentiation": m["differentiation"], "magnification": m["magnification"],
                              "run_status": status})
-
-        def writer(tmp: Path, rows=rows) -> None:
-            with tmp.open("w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=COLUMNS, lineterminator="\n")
-                w.writeheader()
-                w.writerows(rows)
-
-        write_with(out / f"{cohort}.csv", writer)
+        write_csv(out / f"{cohort}.csv", rows, COLUMNS)
         write_sidecar(out / f"{cohort}.csv", prov)
         counts[cohort] = len(rows)
     return {"status": status, "images": counts}

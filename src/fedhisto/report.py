@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_text, write_with
+from fedhisto.atomic import write_csv, write_text, write_with
 from fedhisto.bootstrap import ensemble
 from fedhisto.provenance import provenance_block, write_sidecar
 
@@ -32,14 +32,7 @@ def _fmt(v) -> str:
 
 def write_table(base: Path, rows: list[dict], title: str) -> None:
     cols = list(dict.fromkeys(k for r in rows for k in r))
-
-    def csv_writer(tmp: Path) -> None:
-        with tmp.open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=cols, lineterminator="\n")
-            w.writeheader()
-            w.writerows([{k: _fmt(r.get(k)) for k in cols} for r in rows])
-
-    write_with(base.with_suffix(".csv"), csv_writer)
+    write_csv(base.with_suffix(".csv"), [{k: _fmt(r.get(k)) for k in cols} for r in rows], cols)
     md = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
     write_text(base.with_suffix(".md"), "\n".join(md) + "\n")

@@ -125,7 +125,8 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
                       "scale": round(v.scale, 4) if v else "", "angle_deg": round(v.angle_deg, 2) if v else "",
                       "mirrored": v.mirrored if v else ""})
 
-    for group in exact_groups(digests):
+    exact = exact_groups(digests)
+    for group in exact:
         for other in group[1:]:
             uf.union(group[0], other)
             edge(group[0], other, "exact", 1.0, 1.0, "confirmed")
@@ -144,7 +145,6 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     candidates = sorted(set(ph) | set(nn), key=lambda p: (p not in ph, -nn.get(p, 0.0), p))
     _STATE["prints"] = prints
     failures: list[dict] = []
-    verified = implied = 0
     batch = max(256, 64 * threads)
     bar = tqdm(total=len(candidates), desc="verify", unit="pair", disable=not progress)
     # one pool for every batch, forked after the fingerprints exist so workers inherit them
@@ -166,7 +166,7 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     fams = components(len(paths), confirmed)
     stats = {
         "images": len(paths),
-        "exact_groups": len(exact_groups(digests)),
+        "exact_groups": len(exact),
         "phash_pairs": len(ph),
         "descriptor_pairs": len(nn),  # global-descriptor and visual-word neighbours
         "candidates": len(candidates),

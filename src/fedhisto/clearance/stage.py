@@ -15,7 +15,7 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-from fedhisto.atomic import write_json, write_text, write_with
+from fedhisto.atomic import write_csv, write_json, write_text
 from fedhisto.clearance.engine import EDGE_COLUMNS, AuditResult, audit_images
 from fedhisto.clearance.families import family_id, pairwise_scores
 from fedhisto.config import ClearanceConfig
@@ -29,16 +29,6 @@ FAMILY_COLUMNS = ("relpath", "path", "label", "site", "cohort", "sha256", "famil
 
 class ClearanceError(RuntimeError):
     """Clearance could not certify the corpus; the message lists what remains."""
-
-
-def _write_csv(path: Path, columns, rows) -> None:
-    def writer(tmp: Path) -> None:
-        with tmp.open("w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(columns), lineterminator="\n")
-            w.writeheader()
-            w.writerows(rows)
-
-    write_with(path, writer)
 
 
 def family_rows(rows: list[SourceRow], result: AuditResult, policy: str) -> list[dict]:
@@ -124,8 +114,8 @@ def write_outputs(out: Path, rows: list[SourceRow], result: AuditResult, cfg: Cl
     edges = [{**e, "a": rows[e["a"]].relpath, "b": rows[e["b"]].relpath} for e in result.edges]
     out.mkdir(parents=True, exist_ok=True)
     prov = provenance_block(STAGE, cfg.model_dump(mode="json"), inputs or {})
-    _write_csv(out / "edges.csv", EDGE_COLUMNS, edges)
-    _write_csv(out / "families.csv", FAMILY_COLUMNS, fams)
+    write_csv(out / "edges.csv", edges, EDGE_COLUMNS)
+    write_csv(out / "families.csv", fams, FAMILY_COLUMNS)
     write_json(out / "audit.json", {**audit, "provenance": prov})
     write_text(out / "report.md", _report(audit))
     for name in ("edges.csv", "families.csv", "report.md"):

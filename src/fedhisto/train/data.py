@@ -41,11 +41,16 @@ def _load(path: str, max_edge: int) -> np.ndarray:
     return rgb
 
 
-def load_partitions(manifest_csv: str | Path, crop_size: int) -> dict[str, Split]:
-    """Keys: ``C1``..``C5`` (optimisation), ``C1:holdout``.., ``validation``, ``test``, ``external``."""
+def load_partitions(manifest_csv: str | Path, crop_size: int,
+                    splits: tuple[str, ...] = ("optimisation", "holdout", "validation", "test", "external"),
+                    ) -> dict[str, Split]:
+    """Keys: ``C1``..``C5`` (optimisation), ``C1:holdout``.., ``validation``, ``test``, ``external``;
+    only the ``splits`` asked for are decoded."""
     groups: dict[str, list[dict]] = defaultdict(list)
     with Path(manifest_csv).open() as fh:
         for r in csv.DictReader(fh):
+            if r["split"] not in splits:
+                continue
             if r["split"] == "optimisation":
                 groups[r["client"]].append(r)
             elif r["split"] == "holdout":
