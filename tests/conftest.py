@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,3 +34,14 @@ def snakemake_bin() -> str:
     if exe is None:
         pytest.fail("snakemake not on PATH: install the package with its dependencies")
     return exe
+
+
+def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
+    """The embedded default shrunk for workflow tests: two methods, one seed, few rounds, a 1-epoch pretrain."""
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cfg["train"].update(methods=["fedavg_peft", "past_v2"], seeds=[11], ablations=[], max_rounds=max_rounds)
+    cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)
+    path = workdir / "config/config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path

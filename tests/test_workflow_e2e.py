@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import write_tiny_config
 
 from fedhisto.sources import read_sources_csv
 
@@ -22,12 +23,7 @@ def snakemake(snakemake_bin: str, repo: Path, workdir: Path, *args: str) -> subp
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, repo: Path, snakemake_bin: str) -> Path:
     wd = tmp_path_factory.mktemp("wf")
-    cfg = yaml.safe_load((repo / "config/config.yaml").read_text())
-    # the real Snakefile on a tiny config: two methods, one seed, two rounds
-    cfg["train"].update(methods=["fedavg_peft", "past_v2"], seeds=[11], ablations=[], max_rounds=2)
-    cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)
-    (wd / "config").mkdir()
-    (wd / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+    write_tiny_config(wd, max_rounds=2)  # the real Snakefile on a tiny config
     proc = snakemake(snakemake_bin, repo, wd, "--cores", "2", "all")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return wd

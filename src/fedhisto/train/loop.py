@@ -140,6 +140,9 @@ def run_rounds(ctx: RunContext) -> dict:
             "weights": dict(zip(returned, weights, strict=True)), "failed_clients": failed,
             "losses": {n: results[n].losses for n in returned}, "wall_s": round(time.perf_counter() - start, 3)})
         save_checkpoint(ctx.checkpoint, ckpt)
+        # one line per round in the rule log: a cluster user sees progress and where a resume will start
+        log.info("round %d/%d: validation macro-F1 %.4f (best %.4f at round %d), %d client(s) failed, checkpoint saved",
+                 r + 1, t.max_rounds, val, ckpt["best"]["metric"], ckpt["best"]["round"], len(failed))
         bar.update()
         bar.set_postfix(val_f1=f"{val:.3f}", best=f"{ckpt['best']['metric']:.3f}")
         if ctx.stop_after_round is not None and ckpt["round"] >= ctx.stop_after_round and not ckpt["stopped"]:
