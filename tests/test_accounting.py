@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from fedhisto.accounting import MIB, communication_table, prototype_traffic, run_accounting
+from fedhisto.accounting import (
+    MIB,
+    communication_table,
+    optimisation_sizes,
+    prototype_traffic,
+    run_accounting,
+    style_traffic,
+)
 from fedhisto.config import load_config_file
 
 TABLE8 = {  # study Table 8: payload MiB, per-round MiB, overhead %
@@ -59,3 +66,21 @@ def test_run_writes_csv_with_sidecar(tmp_path: Path, repo: Path):
     with (tmp_path / "communication.csv").open() as fh:
         assert list(csv.DictReader(fh)) == [{k: str(v) for k, v in r.items()} for r in rows]
     assert (tmp_path / "communication.csv.prov.json").exists()
+
+
+def test_style_traffic_hand_computed():
+    # r = 0.1: ceil(1.0) = 1 row for A, ceil(1.1) = 2 rows for B; a row is 6 pixel + 2 * 768 feature floats.
+    # Up 3 rows; down, A receives B's 2 rows and B receives A's 1 row: 6 rows of 6168 bytes.
+    assert style_traffic(768, {"A": 10, "B": 11}, 0.1) == 6 * (6 + 2 * 768) * 4
+
+
+def test_fedstain_row_adds_its_statistics_to_the_fedavg_model_traffic(paper_rows, repo: Path):
+    cfg = load_config_file(repo / "config/paper.yaml")
+    sizes = optimisation_sizes(cfg)
+    # Table 2 pools minus each client's holdout: the partitions the clients optimise on
+    assert sizes == {"C1": 657, "C2": 891, "C3": 609, "C4": 608, "C5": 2560}
+    r = paper_rows["fedstain"]
+    assert r["payload_mib"] == TABLE8["fedavg_peft"][0] and r["prototype_per_round_mib"] == "0.000000"
+    style = style_traffic(768, sizes, 0.1) / MIB
+    assert r["style_statistics_per_round_mib"] == f"{style:.6f}" == "15.705643"
+    assert float(r["per_round_mib"]) == pytest.approx(37.685661 + style, abs=2e-6)

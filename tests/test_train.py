@@ -154,3 +154,28 @@ def test_failed_validation_writes_failure_not_report_and_checkpoint_still_predic
     other.write_text(json.dumps({"dataset_identity": "0" * 64}))
     with pytest.raises(PredictionRefused, match="dataset identity"):
         run_predict("fedprox_peft", 11, out, prepared["manifest"], other, prepared["descriptors"], cfg, tmp_path / "p2")
+
+
+def test_fedstain_trains_resumes_bitwise_and_exchanges_no_model_extras(prepared: dict, tmp_path: Path):
+    """The comparator runs on the same engine: its losses are logged, a stopped run resumes to the
+    identical state (pools are recomputed from the checkpointed global state), and the exchanged
+    and checkpointed state is the fedavg_peft one (no FiLM, no prototypes)."""
+    cfg = prepared["cfg"].model_copy(update={"train": prepared["cfg"].train.model_copy(update={"max_rounds": 2})})
+    reference = tmp_path / "reference"
+    summary = train(prepared, "fedstain", reference, cfg=cfg)
+    assert summary["rounds"] == 2
+    with (reference / "history.csv").open() as fh:
+        losses = [json.loads(r["losses"]) for r in csv.DictReader(fh)]
+    for per_client in losses:
+        for terms in per_client.values():
+            assert set(terms) == {"ce", "supcon", "js"}
+            assert terms["supcon"] > 0 and terms["js"] > 0  # four different views never agree exactly
+    stopped = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        train(prepared, "fedstain", stopped, cfg=cfg, stop_after_round=1)
+    assert train(prepared, "fedstain", stopped, cfg=cfg)["resumed_at_rounds"] == [1]
+    a, b = final_state(reference), final_state(stopped)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    fedavg = tmp_path / "fedavg"
+    train(prepared, "fedavg_peft", fedavg, cfg=cfg)
+    assert set(final_state(fedavg)) == set(a)

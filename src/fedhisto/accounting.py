@@ -7,6 +7,10 @@ Messages per round and client:
 - prototypes (v1/v2 family): up, one centroid (D floats) and its count (1 float) per locally
   available class; down, the global centroids of valid classes (D floats each), the
   per-class reliability (C floats) and availability mask (C bytes).
+- style statistics (fedstain): up, ceil(r n_i) rows of 3 pixel means, 3 pixel deviations and
+  the block features' skewness and kurtosis (2 D floats); down, every other client's rows.
+  n_i is the planned optimisation size (pool minus holdout); holdouts drawn in whole duplicate
+  families can move a realised count by a few images (results/manifest/composition.csv).
 One-time: each client's 14-d stain descriptor, up once.
 
 The study's Table 8 (41.615891 MiB for v1/v2) matches centroids+counts up and centroids
@@ -24,6 +28,8 @@ from pathlib import Path
 from fedhisto import CLASSES
 from fedhisto.atomic import write_csv
 from fedhisto.config import Config
+from fedhisto.federated.fedstain import upload_count
+from fedhisto.manifest import holdout_count
 from fedhisto.methods import method_spec
 from fedhisto.model.card import meta_model, model_card
 from fedhisto.model.peft_model import DESCRIPTOR_DIM
@@ -56,6 +62,20 @@ def prototype_traffic(dim: int, client_classes: Mapping[str, Sequence[bool]]) ->
     return PrototypeTraffic(up, down, up + down_centroids)
 
 
+def style_traffic(dim: int, optimisation_sizes: Mapping[str, int], ratio: float) -> int:
+    """Bytes of one round's FedStain statistics: uploads plus each client's pool of the others' rows."""
+    row = (2 * 3 + 2 * dim) * FLOAT32
+    rows = {client: upload_count(n, ratio) for client, n in optimisation_sizes.items()}
+    total = sum(rows.values())
+    return total * row + sum(total - r for r in rows.values()) * row
+
+
+def optimisation_sizes(cfg: Config) -> dict[str, int]:
+    targets = cfg.partition_targets()
+    return {client: sum(n - holdout_count(n, cfg.manifest.holdout_fraction[client]) for n in pool)
+            for client, pool in targets.clients.items()}
+
+
 def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
     encoder = encoder or cfg.model.encoder.name
     targets = cfg.partition_targets()
@@ -71,7 +91,9 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
         model_bytes = 2 * n_clients * payload
         dim = meta_model(encoder, method, cfg.model).classifier.in_features
         protos = prototype_traffic(dim, availability) if method_spec(method).prototypes != "none" else None
-        per_round = model_bytes + (protos.total_bytes if protos else 0)
+        style = (style_traffic(dim, optimisation_sizes(cfg), cfg.train.fedstain.upload_ratio)
+                 if method_spec(method).style_exchange else 0)
+        per_round = model_bytes + (protos.total_bytes if protos else 0) + style
         if method == "fedavg_peft":
             baseline = per_round
         rows.append({
@@ -83,6 +105,7 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
             "payload_mib": f"{payload / MIB:.6f}",
             "model_per_round_mib": f"{model_bytes / MIB:.6f}",
             "prototype_per_round_mib": f"{(protos.total_bytes if protos else 0) / MIB:.6f}",
+            "style_statistics_per_round_mib": f"{style / MIB:.6f}",
             "per_round_mib": f"{per_round / MIB:.6f}",
             "overhead_vs_fedavg_pct": f"{100 * (per_round - baseline) / baseline:.6f}",
             "prototype_residual_vs_study_mib": f"{((protos.total_bytes - protos.study_bytes) if protos else 0) / MIB:.6f}",

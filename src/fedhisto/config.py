@@ -189,7 +189,22 @@ class ModelConfig(Strict):
 
 # ---------------------------------------------------------------------- train
 Method = Literal["fedavg_peft", "fedprox_peft", "film_zero", "past_v1", "past_v2",
-                 "v2_no_js", "v2_no_feat", "v2_no_proto"]
+                 "v2_no_js", "v2_no_feat", "v2_no_proto", "fedstain"]
+
+
+class FedStainConfig(Strict):
+    """The FedStain comparator (SPEC section 11). The paper sets alpha and beta by grid search and
+    prints no values: the defaults weigh its two alignment terms like the study's v2 weighs its own
+    (feature 0.10, JS 0.25), so neither method gets more auxiliary pull."""
+
+    upload_ratio: float = Field(0.1, gt=0, le=1, description="r: fraction of local samples whose statistics are uploaded")
+    weight_supcon: float = Field(0.10, ge=0, description="alpha: representation alignment (SupCon) weight")
+    weight_js: float = Field(0.25, ge=0, description="beta: prediction alignment (JS over four views) weight")
+    supcon_tau: float = Field(0.1, gt=0)
+    mixstyle_alpha: float = Field(0.1, gt=0, description="lambda ~ Beta(alpha, alpha) in MixStyle")
+    mixstyle_after_layer: int = Field(0, ge=0, description="encoder block whose output tokens MixStyle restyles")
+    augmix_width: int = Field(3, ge=1)
+    augmix_depth: int = Field(3, ge=1)
 
 
 class TrainConfig(Strict):
@@ -216,6 +231,7 @@ class TrainConfig(Strict):
     proto_margin: float = 0.20
     proto_max_images: int = Field(256, ge=1)
     adaptive_floor: float = Field(0.03, ge=0, lt=0.2)
+    fedstain: FedStainConfig = FedStainConfig()
 
 
 # ------------------------------------------------------------------- evaluate
@@ -234,6 +250,7 @@ def _paper_comparisons() -> dict[str, Comparison]:
     pairs = {"v2_vs_fedavg": "fedavg_peft", "v2_vs_fedprox": "fedprox_peft", "v2_vs_filmzero": "film_zero",
              "v2_vs_v1": "past_v1"}
     out = {name: Comparison(method="past_v2", reference=ref) for name, ref in pairs.items()}
+    out["v2_vs_fedstain"] = Comparison(method="past_v2", reference="fedstain")  # ours: the added comparator
     for abl in ("v2_no_js", "v2_no_feat", "v2_no_proto"):
         out[f"v2_vs_{abl.removeprefix('v2_')}"] = Comparison(method="past_v2", reference=abl, ablation=True)
     return out

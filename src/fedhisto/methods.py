@@ -1,4 +1,4 @@
-"""What each federated method of the study switches on (study Table 3)."""
+"""What each federated method switches on (study Table 3, plus the FedStain comparator)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class MethodSpec:
     use_feat: bool
     aggregation: Literal["sample_mass", "adaptive"]
     proximal: bool               # FedProx penalty
+    style_exchange: bool = False  # FedStain: style statistics exchange, RandStain/AugMix/MixStyle, SupCon + JS
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -27,6 +28,8 @@ METHODS: dict[str, MethodSpec] = {
     "v2_no_js": MethodSpec(True, False, "v2", True, False, True, "adaptive", False),
     "v2_no_feat": MethodSpec(True, False, "v2", True, True, False, "adaptive", False),
     "v2_no_proto": MethodSpec(True, False, "none", True, True, True, "adaptive", False),
+    # the comparator from papers/fedstain.txt on the same PEFT architecture as fedavg_peft (no FiLM)
+    "fedstain": MethodSpec(False, False, "none", False, False, False, "sample_mass", False, style_exchange=True),
 }
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from fedhisto.config import Config
+from fedhisto.federated.fedstain import StyleStats
 from fedhisto.federated.losses import (
     class_balanced_weights,
     feature_consistency,
@@ -20,6 +21,7 @@ from fedhisto.federated.prototypes import ClientPrototypes, ServerPrototypes, cl
 from fedhisto.methods import MethodSpec
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 from fedhisto.train.data import Split, eval_batches
+from fedhisto.train.fedstain_client import feature_style, fedstain_terms
 from fedhisto.views import training_views
 
 
@@ -36,8 +38,23 @@ def _rng(seed: int, *stream: int) -> np.random.Generator:
 
 def local_train(model: FedHistoModel, global_state: dict[str, torch.Tensor], data: Split, descriptor: torch.Tensor | None,
                 server_protos: ServerPrototypes | None, spec: MethodSpec, cfg: Config, seed: int, round_idx: int,
-                client_idx: int, device: torch.device) -> LocalResult:
+                client_idx: int, device: torch.device, style_pool: StyleStats | None = None) -> LocalResult:
     """2 local epochs from the global state; every random draw derives from (seed, round, client)."""
+    if spec.style_exchange:
+        if style_pool is None:
+            raise ValueError("FedStain needs the pooled style statistics of the other clients")
+        with feature_style(model, cfg.train.fedstain.mixstyle_after_layer) as hook:
+            return _local_epochs(model, global_state, data, descriptor, server_protos, spec, cfg, seed, round_idx,
+                                 client_idx, device, lambda x, y, w, rng: fedstain_terms(
+                                     model, hook, x, y, style_pool, w, cfg, rng, device))
+    return _local_epochs(model, global_state, data, descriptor, server_protos, spec, cfg, seed, round_idx,
+                         client_idx, device, None)
+
+
+def _local_epochs(model: FedHistoModel, global_state: dict[str, torch.Tensor], data: Split,
+                  descriptor: torch.Tensor | None, server_protos: ServerPrototypes | None, spec: MethodSpec,
+                  cfg: Config, seed: int, round_idx: int, client_idx: int, device: torch.device,
+                  style_terms) -> LocalResult:
     t = cfg.train
     torch.manual_seed(int(_rng(seed, 10, round_idx, client_idx).integers(2**62)))
     model.load_trainable_state(global_state)
@@ -58,14 +75,22 @@ def local_train(model: FedHistoModel, global_state: dict[str, torch.Tensor], dat
         opt.zero_grad(set_to_none=True)
         batches = [order[i:i + micro] for i in range(0, len(order), micro)]
         for b, idx in enumerate(batches):
-            views = [training_views(data.images[i], cfg.views, seed, view_epoch, data.ids[i], spec.paired_views)
-                     for i in idx]
             y = torch.tensor([data.labels[i] for i in idx], device=device)
-            with autocast:
-                outs = [model(torch.stack([v[k] for v in views]).to(device), desc) for k in range(len(views[0]))]
-            logits = [o[0].float() for o in outs]
-            zs = [o[1].float() for o in outs]
-            terms = {"ce": sum(torch.nn.functional.cross_entropy(lg, y, weight=ce_weights) for lg in logits) / len(logits)}
+            if style_terms is not None:  # FedStain: its own views and objective on the plain geometric view
+                x = torch.stack([training_views(data.images[i], cfg.views, seed, view_epoch, data.ids[i], False,
+                                                stain_single=False)[0] for i in idx])
+                with autocast:
+                    terms = style_terms(x, y, ce_weights, _rng(seed, 13, round_idx, client_idx, epoch, b))
+                zs = []
+            else:
+                views = [training_views(data.images[i], cfg.views, seed, view_epoch, data.ids[i], spec.paired_views)
+                         for i in idx]
+                with autocast:
+                    outs = [model(torch.stack([v[k] for v in views]).to(device), desc) for k in range(len(views[0]))]
+                logits = [o[0].float() for o in outs]
+                zs = [o[1].float() for o in outs]
+                terms = {"ce": sum(torch.nn.functional.cross_entropy(lg, y, weight=ce_weights)
+                                   for lg in logits) / len(logits)}
             if spec.paired_views and spec.use_js:
                 terms["js"] = t.weight_js * js_divergence(logits[0], logits[1])
             if spec.paired_views and spec.use_feat:

@@ -5,6 +5,8 @@ returns its state; the server weights what came back (a client that fails is rec
 fabricated), aggregates by delta-SVD, then (prototype methods) each client sends centroids
 computed with the new global model and the server aggregates them. The global-validation
 macro-F1 decides early stopping; the best state and prototypes are kept apart from the latest.
+FedStain first collects every client's style statistics under the global state and hands each
+client the others' pool (recomputed from the checkpointed state on resume, so nothing extra is saved).
 
 Every random draw of round t derives from (seed, t, client), so resuming from the checkpoint
 of round t replays rounds t+1.. exactly: on CPU the resumed run is bitwise the uninterrupted one.
@@ -26,12 +28,14 @@ from tqdm import tqdm
 from fedhisto.atomic import atomic_path
 from fedhisto.config import Config
 from fedhisto.federated.aggregate import aggregate, flat_update
+from fedhisto.federated.fedstain import StyleStats, pool_excluding
 from fedhisto.federated.prototypes import ServerPrototypes, aggregate_prototypes
 from fedhisto.federated.weights import weights_for
 from fedhisto.methods import MethodSpec
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 from fedhisto.train.client import embed_for_prototypes, local_train, predict
 from fedhisto.train.data import Split
+from fedhisto.train.fedstain_client import client_style_statistics
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
@@ -85,6 +89,14 @@ def macro_f1(probs: torch.Tensor, labels: list[int]) -> float:
                           zero_division=0))
 
 
+def style_pools(ctx: RunContext, global_state: dict, names: list[str], round_idx: int) -> dict[str, StyleStats]:
+    """FedStain stage (a): every client uploads its style statistics; each gets the others' pool."""
+    uploads = {name: client_style_statistics(ctx.model, global_state, ctx.clients[name], ctx.cfg,
+                                             np.random.default_rng([ctx.seed, 12, round_idx, k]), ctx.device)
+               for k, name in enumerate(names)}
+    return {name: pool_excluding(uploads, name) for name in names}
+
+
 def run_rounds(ctx: RunContext) -> dict:
     t = ctx.cfg.train
     ckpt = load_checkpoint(ctx.checkpoint, ctx.identity)
@@ -105,13 +117,14 @@ def run_rounds(ctx: RunContext) -> dict:
         start = time.perf_counter()
         protos = ServerPrototypes.from_state(ckpt["server_prototypes"]) if ckpt["server_prototypes"] else None
         results, failed = {}, {}
+        pools = style_pools(ctx, ckpt["global_state"], names, r) if ctx.spec.style_exchange else {}
         for k, name in enumerate(names):
             try:
                 if ctx.client_fault.get(r) == name:
                     raise RuntimeError(f"injected fault for {name} in round {r}")
                 results[name] = local_train(ctx.model, ckpt["global_state"], ctx.clients[name],
                                             ctx.descriptors[name], protos, ctx.spec, ctx.cfg, ctx.seed, r, k,
-                                            ctx.device)
+                                            ctx.device, style_pool=pools.get(name))
             except Exception as exc:  # recorded, never fabricated: the server aggregates what came back
                 log.warning("round %d: client %s failed: %s", r, name, exc)
                 failed[name] = f"{type(exc).__name__}: {exc}"

@@ -34,10 +34,13 @@ STAGE = "train"
 
 
 def training_block(cfg: Config, method: str, seed: int) -> dict:
-    """What a run's identity depends on (the lists of methods and seeds do not)."""
+    """What a run's identity depends on (the lists of methods and seeds do not, nor FedStain's
+    settings for the methods that do not exchange style statistics)."""
     train = cfg.train.model_dump(mode="json")
     for key in ("methods", "ablations", "seeds", "ablation_seeds"):
         train.pop(key)
+    if not method_spec(method).style_exchange:
+        train.pop("fedstain")
     return {"method": method, "seed": seed, "train": train, "model": cfg.model.model_dump(mode="json"),
             "views": cfg.views.model_dump(mode="json")}
 

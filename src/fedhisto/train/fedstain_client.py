@@ -1,0 +1,150 @@
+"""FedStain's client side on the shared frozen-encoder PEFT model (SPEC section 11).
+
+Two pieces: the style statistics a client uploads at the start of a round (Algorithm 2, stage a)
+and the local objective on four views of each batch (stage b): the original X, RandStain(X), and
+two AugMix views whose intermediate features are restyled by MixStyle. The comparator shares the
+encoder, LoRA, residual adapter and classifier of fedavg_peft (no FiLM), so only the method differs.
+
+[ours] MixStyle acts on the token features after one encoder block (``mixstyle_after_layer``),
+statistics over all tokens of a channel: the paper's "intermediate features" of a CNN become the
+token features of the ViT here. Pixel statistics for RandStain are taken in RGB on [0, 1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedhisto.config import Config, ViewsConfig
+from fedhisto.federated.fedstain import (
+    StyleStats,
+    augmix,
+    channel_moments,
+    js_multi,
+    mixstyle_higher_order,
+    randstain,
+    representation_alignment,
+    upload_count,
+)
+from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.train.data import Split
+from fedhisto.views import eval_view
+
+
+class FeatureStyle:
+    """A forward hook on one encoder block that either records or restyles its token features."""
+
+    def __init__(self, model: FedHistoModel, after_layer: int) -> None:
+        blocks = model.encoder.encoder.layer
+        if not 0 <= after_layer < len(blocks):
+            raise ValueError(f"train.fedstain.mixstyle_after_layer={after_layer}: the encoder has {len(blocks)} blocks")
+        self.mode: str | None = None
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pool: StyleStats | None = None
+        self.rng: np.random.Generator | None = None
+        self.alpha = 0.1
+        self._handle = blocks[after_layer].register_forward_hook(self._hook)
+
+    def _hook(self, _module, _inputs, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        channels_first = hidden.transpose(1, 2)  # (B, C, tokens)
+        if self.mode == "capture":
+            _, _, skew, kurt = channel_moments(channels_first.detach())
+            self.captured = (skew.cpu(), kurt.cpu())
+        elif self.mode == "mix":
+            mixed = mixstyle_higher_order(channels_first, self.pool, self.rng, self.alpha).transpose(1, 2)
+            mixed = mixed.to(hidden.dtype)
+            return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+        return None
+
+    @contextmanager
+    def mixing(self, pool: StyleStats, rng: np.random.Generator, alpha: float) -> Iterator[None]:
+        self.mode, self.pool, self.rng, self.alpha = "mix", pool, rng, alpha
+        try:
+            yield
+        finally:
+            self.mode, self.pool, self.rng = None, None, None
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        self.mode, self.captured = "capture", None
+        try:
+            yield
+        finally:
+            self.mode = None
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+@contextmanager
+def feature_style(model: FedHistoModel, after_layer: int) -> Iterator[FeatureStyle]:
+    hook = FeatureStyle(model, after_layer)
+    try:
+        yield hook
+    finally:
+        hook.remove()
+
+
+def to_unit(x: torch.Tensor, cfg: ViewsConfig) -> torch.Tensor:
+    """ImageNet-normalised (B, 3, H, W) back to RGB on [0, 1]."""
+    mean = torch.tensor(cfg.mean, dtype=x.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.std, dtype=x.dtype).view(1, 3, 1, 1)
+    return (x * std + mean).clamp(0, 1)
+
+
+def from_unit(x: torch.Tensor, cfg: ViewsConfig) -> torch.Tensor:
+    mean = torch.tensor(cfg.mean, dtype=x.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.std, dtype=x.dtype).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+@torch.no_grad()
+def client_style_statistics(model: FedHistoModel, global_state: dict[str, torch.Tensor], data: Split, cfg: Config,
+                            rng: np.random.Generator, device: torch.device) -> StyleStats:
+    """Stage (a): channel mean/std of the pixels and skewness/kurtosis of the block features of
+    ceil(r n_i) images drawn without replacement, seen through the evaluation transform under the
+    current global model."""
+    fs = cfg.train.fedstain
+    n = upload_count(len(data), fs.upload_ratio)
+    idx = sorted(rng.choice(len(data), size=n, replace=False).tolist())
+    pixels = torch.stack([eval_view(data.images[i], cfg.views) for i in idx])
+    mu, sd, _, _ = channel_moments(to_unit(pixels, cfg.views))
+    model.load_trainable_state(global_state)
+    model.eval()
+    with feature_style(model, fs.mixstyle_after_layer) as hook, hook.capturing():
+        model.embed(pixels.to(device))
+    skew, kurt = hook.captured
+    return StyleStats(mu, sd, skew, kurt)
+
+
+def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y: torch.Tensor, pool: StyleStats,
+                   ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Stage (b) for one batch: L = CE + alpha L_RA + beta L_JS (eq. 6) over X, X_stain, X(1), X(2).
+
+    CE is taken on the original view with the class-balanced weights every method here uses.
+    """
+    fs = cfg.train.fedstain
+    unit = to_unit(x, cfg.views)
+    stained = from_unit(randstain(unit, pool, rng), cfg.views)
+    morph = [from_unit(torch.stack([augmix(img, rng, fs.augmix_width, fs.augmix_depth) for img in unit]), cfg.views)
+             for _ in range(2)]
+    logits, zs = [], []
+    for k, view in enumerate([x, stained, *morph]):
+        if k >= 2:
+            with hook.mixing(pool, rng, fs.mixstyle_alpha):
+                lg, z = model(view.to(device))
+        else:
+            lg, z = model(view.to(device))
+        logits.append(lg.float())
+        zs.append(z.float())
+    return {
+        "ce": F.cross_entropy(logits[0], y, weight=ce_weights),
+        "supcon": fs.weight_supcon * representation_alignment(zs[0], zs[1:], y, fs.supcon_tau),
+        "js": fs.weight_js * js_multi(logits),
+    }
