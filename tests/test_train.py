@@ -179,3 +179,19 @@ def test_fedstain_trains_resumes_bitwise_and_exchanges_no_model_extras(prepared:
     fedavg = tmp_path / "fedavg"
     train(prepared, "fedavg_peft", fedavg, cfg=cfg)
     assert set(final_state(fedavg)) == set(a)
+
+
+def test_fedstain_switches_turn_its_views_back_into_the_plain_view(prepared: dict, tmp_path: Path):
+    """With RandStain, AugMix and MixStyle off the four views are one image, so the JS term only sees
+    dropout noise: it falls by more than an order of magnitude against the full method."""
+    def first_round_js(out: Path, **switches) -> list[float]:
+        fs = prepared["cfg"].train.fedstain.model_copy(update=switches)
+        cfg = prepared["cfg"].model_copy(update={"train": prepared["cfg"].train.model_copy(
+            update={"max_rounds": 1, "fedstain": fs})})
+        train(prepared, "fedstain", out, cfg=cfg)
+        with (out / "history.csv").open() as fh:
+            return [terms["js"] for terms in json.loads(next(csv.DictReader(fh))["losses"]).values()]
+
+    full = first_round_js(tmp_path / "full")
+    plain = first_round_js(tmp_path / "plain", randstain=False, augmix=False, mixstyle=False)
+    assert all(p < f / 10 for p, f in zip(plain, full, strict=True)), (plain, full)

@@ -205,6 +205,10 @@ class FedStainConfig(Strict):
     mixstyle_after_layer: int = Field(0, ge=0, description="encoder block whose output tokens MixStyle restyles")
     augmix_width: int = Field(3, ge=1)
     augmix_depth: int = Field(3, ge=1)
+    # ablation switches: a switched-off augmentation leaves its view(s) as the plain view X
+    randstain: bool = True
+    augmix: bool = True
+    mixstyle: bool = True
 
 
 class TrainConfig(Strict):

@@ -127,16 +127,17 @@ def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y:
                    device: torch.device) -> dict[str, torch.Tensor]:
     """Stage (b) for one batch: L = CE + alpha L_RA + beta L_JS (eq. 6) over X, X_stain, X(1), X(2).
 
-    CE is taken on the original view with the class-balanced weights every method here uses.
+    CE is taken on the original view with the class-balanced weights every method here uses. A
+    switched-off augmentation (``randstain``, ``augmix``, ``mixstyle``) leaves its view(s) as X.
     """
     fs = cfg.train.fedstain
     unit = to_unit(x, cfg.views)
-    stained = from_unit(randstain(unit, pool, rng), cfg.views)
+    stained = from_unit(randstain(unit, pool, rng), cfg.views) if fs.randstain else x
     morph = [from_unit(torch.stack([augmix(img, rng, fs.augmix_width, fs.augmix_depth) for img in unit]), cfg.views)
-             for _ in range(2)]
+             if fs.augmix else x for _ in range(2)]
     logits, zs = [], []
     for k, view in enumerate([x, stained, *morph]):
-        if k >= 2:
+        if k >= 2 and fs.mixstyle:
             with hook.mixing(pool, rng, fs.mixstyle_alpha):
                 lg, z = model(view.to(device))
         else:
