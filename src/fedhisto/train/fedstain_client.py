@@ -90,16 +90,18 @@ def feature_style(model: FedHistoModel, after_layer: int) -> Iterator[FeatureSty
         hook.remove()
 
 
+def _mean_std(cfg: ViewsConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(cfg.mean, dtype=dtype).view(1, 3, 1, 1), torch.tensor(cfg.std, dtype=dtype).view(1, 3, 1, 1))
+
+
 def to_unit(x: torch.Tensor, cfg: ViewsConfig) -> torch.Tensor:
     """ImageNet-normalised (B, 3, H, W) back to RGB on [0, 1]."""
-    mean = torch.tensor(cfg.mean, dtype=x.dtype).view(1, 3, 1, 1)
-    std = torch.tensor(cfg.std, dtype=x.dtype).view(1, 3, 1, 1)
+    mean, std = _mean_std(cfg, x.dtype)
     return (x * std + mean).clamp(0, 1)
 
 
 def from_unit(x: torch.Tensor, cfg: ViewsConfig) -> torch.Tensor:
-    mean = torch.tensor(cfg.mean, dtype=x.dtype).view(1, 3, 1, 1)
-    std = torch.tensor(cfg.std, dtype=x.dtype).view(1, 3, 1, 1)
+    mean, std = _mean_std(cfg, x.dtype)
     return (x - mean) / std
 
 
