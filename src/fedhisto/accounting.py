@@ -86,10 +86,10 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
     baseline = None
     for method in ["fedavg_peft", *[m for m in methods if m != "fedavg_peft"]]:
         card = model_card(encoder, method, cfg.model)
-        state = meta_model(encoder, method, cfg.model).trainable_state()
-        payload = sum(t.numel() * t.element_size() for t in state.values())
+        model = meta_model(encoder, method, cfg.model)
+        payload = sum(t.numel() * t.element_size() for t in model.trainable_state().values())
         model_bytes = 2 * n_clients * payload
-        dim = meta_model(encoder, method, cfg.model).classifier.in_features
+        dim = model.classifier.in_features
         protos = prototype_traffic(dim, availability) if method_spec(method).prototypes != "none" else None
         style = (style_traffic(dim, optimisation_sizes(cfg), cfg.train.fedstain.upload_ratio)
                  if method_spec(method).style_exchange else 0)

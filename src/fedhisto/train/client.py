@@ -32,7 +32,9 @@ class LocalResult:
     losses: dict[str, float]
 
 
-def _rng(seed: int, *stream: int) -> np.random.Generator:
+def stream_rng(seed: int, *stream: int) -> np.random.Generator:
+    """The generator of one named random stream of a run (stream ids: 10 torch seed, 11 order, 12 FedStain
+    statistics sample, 13 FedStain views)."""
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
 
 
@@ -56,7 +58,7 @@ def _local_epochs(model: FedHistoModel, global_state: dict[str, torch.Tensor], d
                   cfg: Config, seed: int, round_idx: int, client_idx: int, device: torch.device,
                   style_terms) -> LocalResult:
     t = cfg.train
-    torch.manual_seed(int(_rng(seed, 10, round_idx, client_idx).integers(2**62)))
+    torch.manual_seed(int(stream_rng(seed, 10, round_idx, client_idx).integers(2**62)))
     model.load_trainable_state(global_state)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -70,7 +72,7 @@ def _local_epochs(model: FedHistoModel, global_state: dict[str, torch.Tensor], d
     steps = 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     for epoch in range(t.local_epochs):
-        order = _rng(seed, 11, round_idx, client_idx, epoch).permutation(len(data))
+        order = stream_rng(seed, 11, round_idx, client_idx, epoch).permutation(len(data))
         view_epoch = round_idx * t.local_epochs + epoch
         opt.zero_grad(set_to_none=True)
         batches = [order[i:i + micro] for i in range(0, len(order), micro)]
@@ -80,8 +82,7 @@ def _local_epochs(model: FedHistoModel, global_state: dict[str, torch.Tensor], d
                 x = torch.stack([training_views(data.images[i], cfg.views, seed, view_epoch, data.ids[i], False,
                                                 stain_single=False)[0] for i in idx])
                 with autocast:
-                    terms = style_terms(x, y, ce_weights, _rng(seed, 13, round_idx, client_idx, epoch, b))
-                zs = []
+                    terms = style_terms(x, y, ce_weights, stream_rng(seed, 13, round_idx, client_idx, epoch, b))
             else:
                 views = [training_views(data.images[i], cfg.views, seed, view_epoch, data.ids[i], spec.paired_views)
                          for i in idx]

@@ -33,7 +33,7 @@ from fedhisto.federated.prototypes import ServerPrototypes, aggregate_prototypes
 from fedhisto.federated.weights import weights_for
 from fedhisto.methods import MethodSpec
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
-from fedhisto.train.client import embed_for_prototypes, local_train, predict
+from fedhisto.train.client import embed_for_prototypes, local_train, predict, stream_rng
 from fedhisto.train.data import Split
 from fedhisto.train.fedstain_client import client_style_statistics
 
@@ -92,7 +92,7 @@ def macro_f1(probs: torch.Tensor, labels: list[int]) -> float:
 def style_pools(ctx: RunContext, global_state: dict, names: list[str], round_idx: int) -> dict[str, StyleStats]:
     """FedStain stage (a): every client uploads its style statistics; each gets the others' pool."""
     uploads = {name: client_style_statistics(ctx.model, global_state, ctx.clients[name], ctx.cfg,
-                                             np.random.default_rng([ctx.seed, 12, round_idx, k]), ctx.device)
+                                             stream_rng(ctx.seed, 12, round_idx, k), ctx.device)
                for k, name in enumerate(names)}
     return {name: pool_excluding(uploads, name) for name in names}
 
