@@ -19,14 +19,14 @@ import numpy as np
 import torch
 
 from fedhisto.config import load_config
-from fedhisto.methods import method_spec
+from fedhisto.methods import build_method
+from fedhisto.model.build import pick_device
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 from fedhisto.train.data import Split
 from fedhisto.train.loop import RunContext, run_rounds
-from fedhisto.train.stage import pick_device
 
 
 def synthetic_split(n: int, site: str, seed: int) -> Split:
@@ -55,12 +55,14 @@ def main() -> None:
     print("|---|---|---|")
     for method in args.methods:
         torch.manual_seed(0)
-        model = FedHistoModel(random_encoder("hibou-b"), cfg.model, film=method_spec(method).film).to(device)
-        desc = torch.zeros(14) if method_spec(method).film else None
-        ctx = RunContext(model=model, clients=clients, validation=validation,
-                         descriptors={**dict.fromkeys(clients, desc), "global": desc}, spec=method_spec(method),
+        m = build_method(method, cfg)
+        model = FedHistoModel(random_encoder("hibou-b"), cfg.model, film=m.film).to(device)
+        desc = torch.zeros(14) if m.film else None
+        ctx = RunContext(model=model, method=m, clients=clients, validation=validation,
+                         descriptors={**dict.fromkeys(clients, desc), "global": desc},
                          cfg=cfg, seed=11, identity={"method": method, "seed": 11, "config_hash": "bench",
-                                                     "dataset_identity": "bench"},
+                                                     "dataset_identity": "bench", "descriptor_digest": "none",
+                                                     "encoder_digest": "bench"},
                          device=device, checkpoint=__import__("pathlib").Path(args.out) / f"{method}.pt")
         ctx.checkpoint.unlink(missing_ok=True)
         if device.type == "cuda":

@@ -20,7 +20,7 @@ def test_defaults_are_the_studys_numbers():
     assert cfg.model.encoder.revision == "7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c"
     assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip) == (1e-4, 1e-4, 5.0)
     assert (cfg.train.max_rounds, cfg.train.patience, cfg.train.min_delta) == (50, 10, 1e-4)
-    assert (cfg.train.weight_js, cfg.train.weight_feat, cfg.train.weight_proto) == (0.25, 0.10, 0.05)
+    assert (cfg.train.past.weight_js, cfg.train.past.weight_feat, cfg.train.past.weight_proto) == (0.25, 0.10, 0.05)
     assert (cfg.bootstrap.seed, cfg.bootstrap.resamples, cfg.bootstrap.ablation_resamples) == (20260730, 10_000, 5_000)
     assert cfg.clearance.phash_threshold == 10
     assert cfg.evaluate.ece_bins == 15

@@ -57,7 +57,7 @@ def train(prepared: dict, method: str, out: Path, cfg=None, **hooks) -> dict:
 
 
 def final_state(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["best"]["state"]
+    return torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["best"]["members"]["global"]
 
 
 def test_killed_run_resumes_to_the_identical_result(prepared: dict, tmp_path: Path, repo: Path):
@@ -111,18 +111,42 @@ def test_resume_refuses_other_identity_and_pipeline_starts_over(prepared: dict, 
     assert new["identity"]["config_hash"] != ckpt["identity"]["config_hash"]
 
 
-def test_a_failing_client_is_recorded_not_fabricated(prepared: dict, tmp_path: Path):
+def test_an_unavailable_client_is_recorded_not_fabricated(prepared: dict, tmp_path: Path):
     out = tmp_path / "fault"
     cfg = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 2}})
     train(prepared, "past_v1", out, cfg=cfg, client_fault={0: "C3"})
     history = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["history"]
     first, second = history
-    assert "C3" in first["failed_clients"] and "C3" not in first["weights"]
+    assert "C3" in first["unavailable_clients"] and "C3" not in first["weights"]
     assert sum(first["weights"].values()) == pytest.approx(1.0) and len(first["weights"]) == 4
-    assert len(second["weights"]) == 5 and second["failed_clients"] == {}
+    assert len(second["weights"]) == 5 and second["unavailable_clients"] == {}
     report = json.loads((out / "report.json").read_text())
     assert report["rounds"] == 2 and 0 <= report["validation_macro_f1"] <= 1
+    assert (report["unavailable_client_rounds"] == 1 and list(report["unavailable"]) == ["1"]) or \
+        list(report["unavailable"]) == [1]
     assert json.loads((out / "status.json").read_text())["status"] == "finalised"
+
+
+def test_any_other_client_error_fails_the_run_and_names_client_and_round(prepared: dict, tmp_path: Path):
+    from fedhisto.train.loop import ClientFailure
+
+    out = tmp_path / "error"
+    cfg = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 2}})
+    with pytest.raises(ClientFailure, match="client C2 failed in round 2"):
+        train(prepared, "fedavg_peft", out, cfg=cfg, client_error={1: "C2"})
+    failure = json.loads((out / "failure.json").read_text())
+    assert (failure["client"], failure["round"], failure["failed"]) == ("C2", 2, "ClientFailure")
+    assert "injected error" in failure["error"]
+    assert not (out / "status.json").exists() and not (out / "report.json").exists()
+
+
+def test_more_unavailable_client_rounds_than_allowed_fail_the_run(prepared: dict, tmp_path: Path):
+    out = tmp_path / "budget"
+    cfg = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 3, "max_unavailable_client_rounds": 1}})
+    summary = train(prepared, "fedavg_peft", out, cfg=cfg, client_fault={0: "C1", 1: "C2"})
+    assert summary["failed"] == "TooManyUnavailable" and "max_unavailable_client_rounds=1" in summary["error"]
+    assert json.loads((out / "status.json").read_text())["status"] == "failed"
+    assert not (out / "report.json").exists()
 
 
 def test_checkpoint_holds_adapters_only(prepared: dict, tmp_path: Path):

@@ -21,53 +21,21 @@ need for the v2 loss: 75 bytes per round with five clients, 0.00007 MiB (see the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from fedhisto import CLASSES
 from fedhisto.atomic import write_csv
 from fedhisto.config import Config
-from fedhisto.federated.fedstain import upload_count
+from fedhisto.federated.prototypes import PrototypeTraffic, prototype_traffic  # noqa: F401 - re-exported
 from fedhisto.manifest import holdout_count
-from fedhisto.methods import method_spec
+from fedhisto.methods import build_method
 from fedhisto.model.card import meta_model, model_card
 from fedhisto.model.peft_model import DESCRIPTOR_DIM
 from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.stages import stage_block
 
 STAGE = "accounting"
 MIB = 2**20
 FLOAT32 = 4
-MASK_BYTE = 1
-
-
-@dataclass(frozen=True)
-class PrototypeTraffic:
-    upload_bytes: int
-    download_bytes: int
-    study_bytes: int  # what the study's figure counts: centroids+counts up, centroids down
-
-    @property
-    def total_bytes(self) -> int:
-        return self.upload_bytes + self.download_bytes
-
-
-def prototype_traffic(dim: int, client_classes: Mapping[str, Sequence[bool]]) -> PrototypeTraffic:
-    """Bytes of one round's prototype messages for clients with the given class availability."""
-    n_classes = len(CLASSES)
-    valid = [any(avail[c] for avail in client_classes.values()) for c in range(n_classes)]
-    up = sum(sum(avail) * (dim + 1) * FLOAT32 for avail in client_classes.values())
-    down_centroids = len(client_classes) * sum(valid) * dim * FLOAT32
-    down = down_centroids + len(client_classes) * n_classes * (FLOAT32 + MASK_BYTE)
-    return PrototypeTraffic(up, down, up + down_centroids)
-
-
-def style_traffic(dim: int, optimisation_sizes: Mapping[str, int], ratio: float) -> int:
-    """Bytes of one round's FedStain statistics: uploads plus each client's pool of the others' rows."""
-    row = (2 * 3 + 2 * dim) * FLOAT32
-    rows = {client: upload_count(n, ratio) for client, n in optimisation_sizes.items()}
-    total = sum(rows.values())
-    return total * row + sum(total - r for r in rows.values()) * row
 
 
 def optimisation_sizes(cfg: Config) -> dict[str, int]:
@@ -90,10 +58,12 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
         payload = sum(t.numel() * t.element_size() for t in model.trainable_state().values())
         model_bytes = 2 * n_clients * payload
         dim = model.classifier.in_features
-        protos = prototype_traffic(dim, availability) if method_spec(method).prototypes != "none" else None
-        style = (style_traffic(dim, optimisation_sizes(cfg), cfg.train.fedstain.upload_ratio)
-                 if method_spec(method).style_exchange else 0)
-        per_round = model_bytes + (protos.total_bytes if protos else 0) + style
+        m = build_method(method, cfg)
+        model_bytes = model_bytes if m.exchanges_model else 0
+        extra = m.extra_traffic_bytes(dim, availability, optimisation_sizes(cfg))
+        protos = prototype_traffic(dim, availability) if "prototype" in extra else None
+        style = extra.get("style_statistics", 0)
+        per_round = model_bytes + sum(extra.values())
         if method == "fedavg_peft":
             baseline = per_round
         rows.append({
@@ -120,7 +90,5 @@ def run_accounting(cfg: Config, out_csv: str | Path) -> list[dict]:
     rows = communication_table(cfg)
 
     write_csv(out_csv, rows)
-    block = {"model": cfg.model.model_dump(mode="json"), "methods": [r["method"] for r in rows],
-             "targets": cfg.partition_targets().model_dump(mode="json")}
-    write_sidecar(out_csv, provenance_block(STAGE, block))
+    write_sidecar(out_csv, provenance_block(STAGE, stage_block(cfg, STAGE)))
     return rows

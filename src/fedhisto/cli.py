@@ -86,12 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.set_defaults(func=_cmd_audit)
 
-    from fedhisto.methods import METHODS
+    from fedhisto.methods import method_names
     from fedhisto.model.encoder import ENCODER_SHAPES
 
     p = sub.add_parser("model-card", help="parameter counts of a method's model as JSON (no weights downloaded)")
     p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="hibou-b")
-    p.add_argument("--method", choices=list(METHODS), default="past_v2")
+    p.add_argument("--method", choices=method_names(), default="past_v2")
     p.set_defaults(func=_cmd_model_card)
     return parser
 

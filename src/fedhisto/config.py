@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedhisto import CLASSES
 
@@ -188,8 +188,29 @@ class ModelConfig(Strict):
 
 
 # ---------------------------------------------------------------------- train
-Method = Literal["fedavg_peft", "fedprox_peft", "film_zero", "past_v1", "past_v2",
-                 "v2_no_js", "v2_no_feat", "v2_no_proto", "fedstain"]
+def _registered_method(name: str) -> str:
+    from fedhisto.methods import method_names
+
+    if name not in method_names():
+        raise ValueError(f"unknown method {name!r}; registered: {', '.join(method_names())}")
+    return name
+
+
+Method = Annotated[str, AfterValidator(_registered_method)]
+
+
+class PastConfig(Strict):
+    """The study's method family (FedAvg-PEFT .. PAST v2 and ablations): its loss weights and server rules."""
+
+    weight_js: float = Field(0.25, ge=0, description="JS consistency between the two stain views")
+    weight_feat: float = Field(0.10, ge=0, description="feature consistency (cosine distance)")
+    weight_proto: float = Field(0.05, ge=0, description="prototype term (v1 attraction, v2 reliability+margin)")
+    proto_margin: float = 0.20
+    proto_max_images: int = Field(256, ge=1)
+    adaptive_floor: float = Field(0.03, ge=0, lt=0.2)
+    fedprox_mu: float = Field(0.001, ge=0)
+    reliability: Literal["study", "bounded"] = Field(
+        "study", description="prototype reliability: the study's formula, or [ours] one scale for 1 and 2+ contributors")
 
 
 class FedStainConfig(Strict):
@@ -226,15 +247,11 @@ class TrainConfig(Strict):
     single_view_batch: int = Field(8, ge=1)
     patience: int = Field(10, ge=1)
     min_delta: float = Field(1e-4, ge=0)
-    fedprox_mu: float = Field(0.001, ge=0)
     cb_beta: float = Field(0.999, gt=0, lt=1)
     cb_cap: float = Field(4.0, gt=0)
-    weight_js: float = 0.25
-    weight_feat: float = 0.10
-    weight_proto: float = 0.05
-    proto_margin: float = 0.20
-    proto_max_images: int = Field(256, ge=1)
-    adaptive_floor: float = Field(0.03, ge=0, lt=0.2)
+    max_unavailable_client_rounds: int = Field(
+        5, ge=0, description="declared client unavailabilities tolerated in a run before it counts as failed")
+    past: PastConfig = PastConfig()
     fedstain: FedStainConfig = FedStainConfig()
 
 
@@ -255,6 +272,8 @@ def _paper_comparisons() -> dict[str, Comparison]:
              "v2_vs_v1": "past_v1"}
     out = {name: Comparison(method="past_v2", reference=ref) for name, ref in pairs.items()}
     out["v2_vs_fedstain"] = Comparison(method="past_v2", reference="fedstain")  # ours: the added comparator
+    out["v2_vs_local"] = Comparison(method="past_v2", reference="local_only")  # ours: does federation help?
+    out["v2_vs_pooled"] = Comparison(method="past_v2", reference="pooled")  # ours: centralised reference
     for abl in ("v2_no_js", "v2_no_feat", "v2_no_proto"):
         out[f"v2_vs_{abl.removeprefix('v2_')}"] = Comparison(method="past_v2", reference=abl, ablation=True)
     return out

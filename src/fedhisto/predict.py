@@ -19,15 +19,19 @@ import torch
 from fedhisto import CLASSES
 from fedhisto.atomic import write_csv
 from fedhisto.config import Config
+from fedhisto.methods import build_method
+from fedhisto.model.build import build_model, pick_device
 from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.train.client import predict
+from fedhisto.stages import stage_block
 from fedhisto.train.data import load_partitions
-from fedhisto.train.stage import build_model, descriptors_for, pick_device
+from fedhisto.train.inference import predict
+from fedhisto.train.stage import descriptors_for
 
 STAGE = "predict"
 COHORTS = ("test", "holdout", "external")
 COLUMNS = ("sample_id", "label", *(f"p_{c}" for c in CLASSES), "pred", "cohort", "client", "differentiation",
            "magnification", "run_status")
+MEMBER_COLUMN = "model"  # only for methods that keep one model per client (local_only)
 
 
 class PredictionRefused(RuntimeError):
@@ -42,7 +46,7 @@ def load_eligible_checkpoint(train_dir: Path, dataset_identity: str) -> tuple[di
     if ckpt["identity"]["dataset_identity"] != dataset_identity:
         raise PredictionRefused(f"{path}: dataset identity {ckpt['identity']['dataset_identity'][:12]} differs from "
                                 f"the manifest's {dataset_identity[:12]}; retrain on this manifest")
-    if not all(torch.isfinite(t).all() for t in ckpt["best"]["state"].values()):
+    if not all(torch.isfinite(t).all() for state in ckpt["best"]["members"].values() for t in state.values()):
         raise PredictionRefused(f"{path}: best state has non-finite tensors; not usable for inference")
     status = json.loads((train_dir / "status.json").read_text())["status"]
     return ckpt, status
@@ -56,32 +60,37 @@ def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str
     identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
     ckpt, status = load_eligible_checkpoint(train_dir, identity)
     device = pick_device()
-    model = build_model(cfg, method, seed, encoder_dir).to(device)
-    model.load_trainable_state(ckpt["best"]["state"])
+    m = build_method(method, cfg)
+    model = build_model(cfg, m, seed, encoder_dir).to(device)
+    members = ckpt["best"]["members"]
     with Path(manifest_csv).open() as fh:
         meta = {r["sample_id"]: r for r in csv.DictReader(fh)}
     # inference never touches the optimisation images: do not decode them
     parts = load_partitions(manifest_csv, cfg.views.crop_size, splits=("holdout", "test", "external"))
     clients = sorted({k.split(":")[0] for k in parts if k.endswith(":holdout")})
-    desc = descriptors_for(method, descriptors_json, clients)
+    desc = descriptors_for(m, descriptors_json, clients)
     groups = {"test": [("test", "global")], "external": [("external", "global")],
               "holdout": [(f"{c}:holdout", c) for c in clients]}
-    prov = provenance_block(STAGE, {"method": method, "seed": seed, "views": cfg.views.model_dump(mode="json")},
+    prov = provenance_block(STAGE, stage_block(cfg, STAGE, method=method, seed=seed),
                             {"checkpoint": train_dir / "checkpoint.pt", "manifest": manifest_csv,
                              "descriptors": descriptors_json})
     counts = {}
     for cohort, keys in groups.items():
         rows = []
-        for key, who in keys:
-            split = parts[key]
-            probs = predict(model, split, desc[who], cfg, device).numpy()
-            for sid, y, p in zip(split.ids, split.labels, probs, strict=True):
-                m = meta[sid]
-                rows.append({"sample_id": sid, "label": CLASSES[y], **{f"p_{c}": f"{v:.8f}" for c, v in zip(CLASSES, p, strict=True)},
-                             "pred": CLASSES[int(p.argmax())], "cohort": cohort, "client": m["client"],
-                             "differentiation": m["differentiation"], "magnification": m["magnification"],
-                             "run_status": status})
-        write_csv(out / f"{cohort}.csv", rows, COLUMNS)
+        for member, state in members.items():
+            model.load_trainable_state(state)
+            for key, who in keys:
+                split = parts[key]
+                probs = predict(model, split, desc.get(who, desc["global"]), cfg, device).numpy()
+                for sid, y, p in zip(split.ids, split.labels, probs, strict=True):
+                    info = meta[sid]
+                    rows.append({"sample_id": sid, "label": CLASSES[y],
+                                 **{f"p_{c}": f"{v:.8f}" for c, v in zip(CLASSES, p, strict=True)},
+                                 "pred": CLASSES[int(p.argmax())], "cohort": cohort, "client": info["client"],
+                                 "differentiation": info["differentiation"], "magnification": info["magnification"],
+                                 "run_status": status, MEMBER_COLUMN: member})
+        columns = (*COLUMNS, MEMBER_COLUMN) if len(members) > 1 else COLUMNS
+        write_csv(out / f"{cohort}.csv", [{k: r[k] for k in columns} for r in rows], columns)
         write_sidecar(out / f"{cohort}.csv", prov)
         counts[cohort] = len(rows)
     return {"status": status, "images": counts}

@@ -126,3 +126,27 @@ def verify_sidecar(artifact: str | os.PathLike[str]) -> None:
     actual = digest_path(artifact)
     if meta.get("artifact", {}).get("sha256") != actual:
         raise ValueError(f"{artifact}: content digest {actual} differs from its sidecar {sidecar_path(artifact)}")
+
+
+def runtime_block(device: object | None = None) -> dict[str, Any]:
+    """What a numerical result depends on beyond code and config: library versions, device and CPU/GPU
+    model, thread count and determinism flags (README: bitwise only on the same machine and build)."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+            "cpu": cpu, "gpu": gpu, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark}

@@ -31,6 +31,7 @@ from fedhisto.atomic import write_json, write_with
 from fedhisto.config import Config, StainConfig
 from fedhisto.imageio import load_rgb
 from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.stages import stage_block
 
 STAGE = "stain"
 REFERENCE_H = np.array([0.650, 0.704, 0.286]) / np.linalg.norm([0.650, 0.704, 0.286])
@@ -161,7 +162,7 @@ def run_stain(manifest_csv: str | Path, cfg: Config, out_dir: str | Path) -> dic
         "fallback_clients": [c for c, v in per_client.items() if v["fallback"]],
         "not_he_like": [c for c, v in per_client.items() if v["he_check"] and not v["he_check"]["he_like"]],
     }
-    prov = provenance_block(STAGE, cfg.stain.model_dump(mode="json"), {"manifest": manifest_csv})
+    prov = provenance_block(STAGE, stage_block(cfg, STAGE), {"manifest": manifest_csv})
     write_json(out / "descriptors.json", {**doc, "provenance": prov})
 
     def table(tmp: Path) -> None:

@@ -3,13 +3,19 @@
 from snakemake.utils import validate
 
 from fedhisto.config import load_config
-from fedhisto.train.stage import training_block
+from fedhisto.methods import wildcard_pattern
+from fedhisto.stages import stage_block
 
 
 validate(config, schema="../schemas/config.schema.json", set_default=False)
 CFG = load_config(config, source="config (after --configfile/--config overrides)")
 
 ENV = "../../envs/fedhisto.yaml"
+
+
+wildcard_constraints:
+    method=wildcard_pattern(),
+    seed=r"\d+",
 
 
 def cohort_outputs():

@@ -16,8 +16,7 @@ rule predict_cohorts:
     log:
         "logs/predict/{method}/seed{seed}.log",
     params:
-        views=CFG.views.model_dump(mode="json"),
-        evaluate=CFG.evaluate.model_dump(mode="json"),
+        block=lambda wildcards: stage_block(CFG, "predict", method=wildcards.method, seed=wildcards.seed),
     threads: 1
     resources:
         mem_mb=lambda wildcards: 16000 if CFG.model.encoder.name == "hibou-b" else 2000,

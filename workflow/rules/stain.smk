@@ -11,8 +11,7 @@ rule compute_stain_descriptors:
     log:
         "logs/stain/compute_stain_descriptors.log",
     params:
-        stain=CFG.stain.model_dump(mode="json"),
-        views=CFG.views.model_dump(mode="json"),
+        block=stage_block(CFG, "stain"),
     threads: 1
     resources:
         mem_mb=2000,

@@ -15,7 +15,7 @@ rule train_federated:
     log:
         "logs/train/{method}/seed{seed}.log",
     params:
-        block=lambda wildcards: training_block(CFG, wildcards.method, int(wildcards.seed)),
+        block=lambda wildcards: stage_block(CFG, "train", method=wildcards.method, seed=wildcards.seed),
     threads: 1
     resources:
         mem_mb=lambda wildcards: 24000 if CFG.model.encoder.name == "hibou-b" else 3000,

@@ -39,6 +39,17 @@ def upload_count(n_samples: int, ratio: float) -> int:
     return 0 if n_samples == 0 else max(1, math.ceil(ratio * n_samples))
 
 
+def style_traffic(dim: int, optimisation_sizes: dict[str, int], ratio: float, pixel_floats: int = 6,
+                  feature_floats_per_channel: int = 2) -> int:
+    """Bytes of one round's statistics exchange (float32): every client's ceil(r n_i) upload rows plus
+    each client's pool of the others' rows. A row holds ``pixel_floats`` pixel statistics and
+    ``feature_floats_per_channel`` x D feature statistics."""
+    row = (pixel_floats + feature_floats_per_channel * dim) * 4
+    rows = {client: upload_count(n, ratio) for client, n in optimisation_sizes.items()}
+    total = sum(rows.values())
+    return total * row + sum(total - r for r in rows.values()) * row
+
+
 @dataclass(frozen=True)
 class StyleStats:
     """One client's upload: rows = sampled images, columns = channels."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedhisto.config import ModelConfig
-from fedhisto.methods import method_spec
+from fedhisto.methods import registration
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel, parameter_counts
 
@@ -13,7 +13,7 @@ from fedhisto.model.peft_model import FedHistoModel, parameter_counts
 def meta_model(encoder: str, method: str, cfg: ModelConfig | None = None) -> FedHistoModel:
     cfg = cfg or ModelConfig()
     with torch.device("meta"):
-        return FedHistoModel(random_encoder(encoder), cfg, film=method_spec(method).film)
+        return FedHistoModel(random_encoder(encoder), cfg, film=registration(method).attribute("film", False))
 
 
 def model_card(encoder: str, method: str, cfg: ModelConfig | None = None) -> dict:

@@ -1,15 +1,20 @@
-"""The federated round loop with early stopping and an atomic checkpoint after every round.
+"""The in-process federated round loop, with early stopping and an atomic checkpoint after every round.
 
-Round t: every client starts from the global trainable state, trains 2 local epochs and
-returns its state; the server weights what came back (a client that fails is recorded, never
-fabricated), aggregates by delta-SVD, then (prototype methods) each client sends centroids
-computed with the new global model and the server aggregates them. The global-validation
-macro-F1 decides early stopping; the best state and prototypes are kept apart from the latest.
-FedStain first collects every client's style statistics under the global state and hands each
-client the others' pool (recomputed from the checkpointed state on resume, so nothing extra is saved).
+Round t, in the order of the method hooks (``methods.base``): participants upload what the server
+needs to configure the round (FedStain's style statistics), the server sends each its start state and
+payload, each trains ``local_epochs`` epochs, the server weights what came back and aggregates, then
+(prototype methods) participants upload centroids under the new model and the server keeps them as
+its method state. The global-validation macro-F1 (the mean over members for ``local_only``) decides
+early stopping; the best member states and method state are kept apart from the latest.
 
-Every random draw of round t derives from (seed, t, client), so resuming from the checkpoint
-of round t replays rounds t+1.. exactly: on CPU the resumed run is bitwise the uninterrupted one.
+Failures are counted, never absorbed: only a declared unavailability (``ClientUnavailable``: a site
+that cannot be reached or whose data cannot be read) is tolerated, recorded per round and bounded by
+``train.max_unavailable_client_rounds``; any other error stops the run as a ``ClientFailure`` that
+names the client and round.
+
+Every random draw of round t derives from (seed, t, participant), so resuming from the checkpoint of
+round t replays rounds t+1.. exactly: on one machine and build the resumed run is bitwise the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -22,43 +27,57 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.metrics import f1_score
 from tqdm import tqdm
 
 from fedhisto.atomic import atomic_path
 from fedhisto.config import Config
-from fedhisto.federated.aggregate import aggregate, flat_update
-from fedhisto.federated.fedstain import StyleStats, pool_excluding
-from fedhisto.federated.prototypes import ServerPrototypes, aggregate_prototypes
-from fedhisto.federated.weights import weights_for
-from fedhisto.methods import MethodSpec
-from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
-from fedhisto.train.client import embed_for_prototypes, local_train, predict, stream_rng
+from fedhisto.federated.aggregate import flat_update
+from fedhisto.methods.base import Method, named_rng
+from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
-from fedhisto.train.fedstain_client import client_style_statistics
+from fedhisto.train.inference import predict
+from fedhisto.train.local import local_train
 
 log = logging.getLogger(__name__)
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
+IDENTITY_KEYS = ("method", "seed", "config_hash", "dataset_identity", "descriptor_digest", "encoder_digest")
 
 
 class ResumeRefused(RuntimeError):
-    """A checkpoint belongs to another method, seed, configuration or dataset."""
+    """A checkpoint belongs to another method, seed, configuration, dataset, descriptor set or encoder."""
+
+
+class ClientUnavailable(RuntimeError):
+    """Declared unavailability: a site that cannot be reached or whose data cannot be read this round."""
+
+
+class ClientFailure(RuntimeError):
+    """Anything else that went wrong in a client's round: the run stops and says where."""
+
+    def __init__(self, client: str, round_idx: int, error: BaseException) -> None:
+        super().__init__(f"client {client} failed in round {round_idx + 1}: {type(error).__name__}: {error}")
+        self.client, self.round, self.error = client, round_idx + 1, f"{type(error).__name__}: {error}"
+
+
+class TooManyUnavailable(RuntimeError):
+    """More tolerated client-rounds than ``train.max_unavailable_client_rounds`` allows."""
 
 
 @dataclass
 class RunContext:
     model: FedHistoModel
-    clients: dict[str, Split]
+    method: Method
+    clients: dict[str, Split]                      # participants of a round (method.participants)
     validation: Split
-    descriptors: dict[str, torch.Tensor | None]   # per client, and "global" for validation/test/external
-    spec: MethodSpec
+    descriptors: dict[str, torch.Tensor | None]    # per participant, and "global" for validation/test/external
     cfg: Config
     seed: int
     identity: dict
     device: torch.device
     checkpoint: Path
     stop_after_round: int | None = None            # for tests: simulate a kill after this round
-    client_fault: dict = field(default_factory=dict)  # for tests: {round: client} raises in that round
+    client_fault: dict = field(default_factory=dict)  # for tests: {round index: client} declared unavailable
+    client_error: dict = field(default_factory=dict)  # for tests: {round index: client} raises a plain error
 
 
 def save_checkpoint(path: Path, ckpt: dict) -> None:
@@ -74,7 +93,7 @@ def load_checkpoint(path: Path, identity: dict) -> dict | None:
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ResumeRefused(f"{path}: checkpoint format {ckpt.get('format')} is not {CHECKPOINT_FORMAT}")
-    differ = [k for k in ("method", "seed", "config_hash", "dataset_identity") if ckpt["identity"].get(k) != identity[k]]
+    differ = [k for k in IDENTITY_KEYS if ckpt["identity"].get(k) != identity[k]]
     if differ:
         detail = "; ".join(f"{k}: checkpoint {ckpt['identity'].get(k)!r} vs run {identity[k]!r}" for k in differ)
         raise ResumeRefused(f"{path}: refusing to resume, {detail}. Delete it to start over.")
@@ -85,16 +104,86 @@ def load_checkpoint(path: Path, identity: dict) -> dict | None:
 
 
 def macro_f1(probs: torch.Tensor, labels: list[int]) -> float:
-    return float(f1_score(labels, probs.argmax(1).tolist(), labels=list(range(N_CLASSES)), average="macro",
-                          zero_division=0))
+    from sklearn.metrics import f1_score
+
+    return float(f1_score(labels, probs.argmax(1).tolist(), labels=[0, 1, 2], average="macro", zero_division=0))
 
 
-def style_pools(ctx: RunContext, global_state: dict, names: list[str], round_idx: int) -> dict[str, StyleStats]:
-    """FedStain stage (a): every client uploads its style statistics; each gets the others' pool."""
-    uploads = {name: client_style_statistics(ctx.model, global_state, ctx.clients[name], ctx.cfg,
-                                             stream_rng(ctx.seed, 12, round_idx, k), ctx.device)
-               for k, name in enumerate(names)}
-    return {name: pool_excluding(uploads, name) for name in names}
+def validate_members(ctx: RunContext, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    out = {}
+    for name, state in members.items():
+        ctx.model.load_trainable_state(state)
+        out[name] = macro_f1(predict(ctx.model, ctx.validation, ctx.descriptors["global"], ctx.cfg, ctx.device),
+                             ctx.validation.labels)
+    return out
+
+
+def fresh_checkpoint(ctx: RunContext) -> dict:
+    state = ctx.model.trainable_state()
+    members = {m: state for m in ctx.method.members(sorted(ctx.clients))}
+    return {"format": CHECKPOINT_FORMAT, "identity": ctx.identity, "round": 0, "members": members,
+            "server_state": None, "best": {"members": members, "server_state": None, "round": 0, "metric": -1.0},
+            "bad_rounds": 0, "stopped": False, "history": []}
+
+
+def unavailable_so_far(ckpt: dict) -> int:
+    return sum(len(h["unavailable_clients"]) for h in ckpt["history"])
+
+
+def _client_step(ctx: RunContext, name: str, round_idx: int, fn, inject: bool = True):
+    """Run one client's step; a declared unavailability passes through, anything else names the client."""
+    try:
+        if inject and ctx.client_fault.get(round_idx) == name:
+            raise ClientUnavailable(f"injected unavailability of {name} in round {round_idx + 1}")
+        if inject and ctx.client_error.get(round_idx) == name:
+            raise RuntimeError(f"injected error in {name}, round {round_idx + 1}")
+        return fn()
+    except ClientUnavailable:
+        raise
+    except Exception as exc:
+        raise ClientFailure(name, round_idx, exc) from exc
+
+
+def train_round(ctx: RunContext, ckpt: dict, r: int) -> dict:
+    """One round; returns the history row and updates ``ckpt`` (members, server state)."""
+    method, names = ctx.method, sorted(ctx.clients)
+    members = ckpt["members"]
+    unavailable: dict[str, str] = {}
+    uploads = {}
+    for k, name in enumerate(names):
+        try:
+            uploads[name] = _client_step(ctx, name, r, lambda name=name, k=k: method.upload_before_training(
+                ctx.model, method.start_state(members, name), ctx.clients[name],
+                named_rng("style_sample", ctx.seed, r, k), ctx.device), inject=False)
+        except ClientUnavailable as exc:
+            unavailable[name] = str(exc)
+    payloads = method.configure_train(r, ckpt["server_state"], uploads)
+    results = {}
+    for k, name in enumerate(names):
+        if name in unavailable:
+            continue
+        try:
+            results[name] = _client_step(ctx, name, r, lambda name=name, k=k: local_train(
+                method, ctx.model, method.start_state(members, name), ctx.clients[name], ctx.descriptors[name],
+                payloads[name], ctx.cfg, ctx.seed, r, k, ctx.device))
+        except ClientUnavailable as exc:
+            log.warning("round %d: client %s unavailable: %s", r + 1, name, exc)
+            unavailable[name] = str(exc)
+    if not results:
+        raise TooManyUnavailable(f"round {r + 1}: no participant returned an update ({sorted(unavailable)})")
+    returned = sorted(results)
+    reference = {n: method.start_state(members, n) for n in returned}
+    weights = method.client_weights([results[n].n_samples for n in returned],
+                                    [flat_update(results[n].state, reference[n]) for n in returned])
+    members = {**members, **method.aggregate_train({n: results[n].state for n in returned}, weights, ctx.model)}
+    after = {}
+    for n in returned:
+        ctx.model.load_trainable_state(method.start_state(members, n))
+        after[n] = method.upload_after_aggregation(ctx.model, ctx.clients[n], ctx.descriptors[n], ctx.device)
+    server_state = method.aggregate_uploads(after) if any(v is not None for v in after.values()) else None
+    ckpt.update(members=members, server_state=server_state)
+    return {"weights": dict(zip(returned, weights, strict=True)), "unavailable_clients": unavailable,
+            "losses": {n: results[n].losses for n in returned}}
 
 
 def run_rounds(ctx: RunContext) -> dict:
@@ -104,63 +193,36 @@ def run_rounds(ctx: RunContext) -> dict:
         log.info("resuming %s seed %d from %s after round %d", ctx.identity["method"], ctx.seed, ctx.checkpoint,
                  ckpt["round"])
         ckpt.setdefault("resumed_at_rounds", []).append(ckpt["round"])
-    if ckpt is None:
-        state = ctx.model.trainable_state()
-        ckpt = {"format": CHECKPOINT_FORMAT, "identity": ctx.identity, "round": 0, "global_state": state,
-                "server_prototypes": None, "best": {"state": state, "prototypes": None, "round": 0, "metric": -1.0},
-                "bad_rounds": 0, "stopped": False, "history": []}
-    weigh = weights_for(ctx.spec.aggregation, t.adaptive_floor)
-    names = sorted(ctx.clients)
+    else:
+        ckpt = fresh_checkpoint(ctx)
     bar = tqdm(total=t.max_rounds, initial=ckpt["round"], desc=f"{ctx.identity['method']} s{ctx.seed}", unit="round")
     while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
         r = ckpt["round"]
         start = time.perf_counter()
-        protos = ServerPrototypes.from_state(ckpt["server_prototypes"]) if ckpt["server_prototypes"] else None
-        results, failed = {}, {}
-        pools = style_pools(ctx, ckpt["global_state"], names, r) if ctx.spec.style_exchange else {}
-        for k, name in enumerate(names):
-            try:
-                if ctx.client_fault.get(r) == name:
-                    raise RuntimeError(f"injected fault for {name} in round {r}")
-                results[name] = local_train(ctx.model, ckpt["global_state"], ctx.clients[name],
-                                            ctx.descriptors[name], protos, ctx.spec, ctx.cfg, ctx.seed, r, k,
-                                            ctx.device, style_pool=pools.get(name))
-            except Exception as exc:  # recorded, never fabricated: the server aggregates what came back
-                log.warning("round %d: client %s failed: %s", r, name, exc)
-                failed[name] = f"{type(exc).__name__}: {exc}"
-        if not results:
-            raise RuntimeError(f"round {r}: every client failed: {failed}")
-        returned = sorted(results)
-        weights = weigh([results[n].n_samples for n in returned],
-                        [flat_update(results[n].state, ckpt["global_state"]) for n in returned])
-        new_state = aggregate([results[n].state for n in returned], weights, ctx.model.lora_scaling, ctx.cfg.model.lora_r)
-        ctx.model.load_trainable_state(new_state)
-        server = None
-        if ctx.spec.prototypes != "none":
-            uploads = [embed_for_prototypes(ctx.model, ctx.clients[n], ctx.descriptors[n], ctx.cfg, ctx.device)
-                       for n in returned]
-            server = aggregate_prototypes(uploads, N_CLASSES, ctx.model.classifier.in_features).state()
-        val = macro_f1(predict(ctx.model, ctx.validation, ctx.descriptors["global"], ctx.cfg, ctx.device),
-                       ctx.validation.labels)
+        row = train_round(ctx, ckpt, r)
+        member_metrics = validate_members(ctx, ckpt["members"])
+        val = float(np.mean(list(member_metrics.values())))
         improved = val > ckpt["best"]["metric"] + t.min_delta
         if improved:
-            ckpt["best"] = {"state": new_state, "prototypes": server, "round": r + 1, "metric": val}
-        ckpt.update(global_state=new_state, server_prototypes=server, round=r + 1,
-                    bad_rounds=0 if improved else ckpt["bad_rounds"] + 1)
+            ckpt["best"] = {"members": ckpt["members"], "server_state": ckpt["server_state"], "round": r + 1,
+                            "metric": val, "member_metrics": member_metrics}
+        ckpt.update(round=r + 1, bad_rounds=0 if improved else ckpt["bad_rounds"] + 1)
         ckpt["stopped"] = ckpt["bad_rounds"] >= t.patience
-        ckpt["history"].append({
-            "round": r + 1, "val_macro_f1": val, "best": improved,
-            "weights": dict(zip(returned, weights, strict=True)), "failed_clients": failed,
-            "losses": {n: results[n].losses for n in returned}, "wall_s": round(time.perf_counter() - start, 3)})
+        ckpt["history"].append({"round": r + 1, "val_macro_f1": val, "best": improved, **row,
+                                "member_metrics": member_metrics, "wall_s": round(time.perf_counter() - start, 3)})
         save_checkpoint(ctx.checkpoint, ckpt)
         # one line per round in the rule log: a cluster user sees progress and where a resume will start
-        log.info("round %d/%d: validation macro-F1 %.4f (best %.4f at round %d), %d client(s) failed, checkpoint saved",
-                 r + 1, t.max_rounds, val, ckpt["best"]["metric"], ckpt["best"]["round"], len(failed))
+        log.info("round %d/%d: validation macro-F1 %.4f (best %.4f at round %d), %d client(s) unavailable, "
+                 "checkpoint saved", r + 1, t.max_rounds, val, ckpt["best"]["metric"], ckpt["best"]["round"],
+                 len(row["unavailable_clients"]))
         bar.update()
         bar.set_postfix(val_f1=f"{val:.3f}", best=f"{ckpt['best']['metric']:.3f}")
+        if unavailable_so_far(ckpt) > t.max_unavailable_client_rounds:
+            bar.close()
+            raise TooManyUnavailable(f"{unavailable_so_far(ckpt)} unavailable client-rounds exceed "
+                                     f"train.max_unavailable_client_rounds={t.max_unavailable_client_rounds}")
         if ctx.stop_after_round is not None and ckpt["round"] >= ctx.stop_after_round and not ckpt["stopped"]:
             bar.close()
             raise KeyboardInterrupt(f"stopped after round {ckpt['round']} (simulated kill)")
     bar.close()
-    ctx.model.load_trainable_state(ckpt["best"]["state"])  # evaluation uses the validation-selected state
     return ckpt

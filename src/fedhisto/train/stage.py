@@ -1,15 +1,16 @@
 """``results/train/{method}/seed{seed}/``: checkpoint, history, report or failure record.
 
-- ``checkpoint.pt``: trainable tensors and prototypes only (latest and best), progress, history,
-  identities and RNG states; rewritten atomically after every round, resumed when identities match;
-- ``history.csv``: per round validation macro-F1, client weights, losses, failures, wall time;
+- ``checkpoint.pt``: member states (adapters, FiLM, head) and the method's server state only (latest
+  and best), progress, history, identity and RNG states; rewritten atomically after every round and
+  resumed only when its identity equals the run's (method, seed, training settings, dataset,
+  descriptors, encoder). It is deliberately not a Snakemake output, so a killed job keeps it;
+- ``history.csv``: per round validation macro-F1, client weights, losses, unavailable clients, wall time;
 - ``report.json`` (finalised) or ``failure.json`` (what failed, where; no score imputed);
 - ``status.json``: always written last, the Snakemake target.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
@@ -19,61 +20,50 @@ from pathlib import Path
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_json, write_with
+from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
-from fedhisto.methods import method_spec
-from fedhisto.model.encoder import load_encoder
-from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
-from fedhisto.provenance import config_hash, provenance_block
-from fedhisto.train.client import predict
+from fedhisto.methods import build_method
+from fedhisto.methods.base import Method
+from fedhisto.model.build import build_model, descriptor_digest, encoder_digest, pick_device
+from fedhisto.provenance import config_hash, provenance_block, runtime_block
+from fedhisto.stages import stage_block
 from fedhisto.train.data import load_partitions
-from fedhisto.train.loop import ResumeRefused, RunContext, load_checkpoint, macro_f1, run_rounds
+from fedhisto.train.inference import predict
+from fedhisto.train.loop import (
+    ClientFailure,
+    ResumeRefused,
+    RunContext,
+    TooManyUnavailable,
+    load_checkpoint,
+    macro_f1,
+    run_rounds,
+    unavailable_so_far,
+)
 
 log = logging.getLogger(__name__)
 STAGE = "train"
+PROB_COLUMNS = tuple(f"p_{c}" for c in CLASSES)
 
 
-def training_block(cfg: Config, method: str, seed: int) -> dict:
-    """What a run's identity depends on (the lists of methods and seeds do not, nor FedStain's
-    settings for the methods that do not exchange style statistics)."""
-    train = cfg.train.model_dump(mode="json")
-    for key in ("methods", "ablations", "seeds", "ablation_seeds"):
-        train.pop(key)
-    if not method_spec(method).style_exchange:
-        train.pop("fedstain")
-    return {"method": method, "seed": seed, "train": train, "model": cfg.model.model_dump(mode="json"),
-            "views": cfg.views.model_dump(mode="json")}
+def run_identity(cfg: Config, method: Method, seed: int, dataset_identity: str, descriptors: dict,
+                 encoder_dir: str | None) -> dict:
+    return {"method": method.name, "seed": seed, "config_hash": config_hash(stage_block(cfg, STAGE, method=method.name,
+                                                                                        seed=seed)),
+            "dataset_identity": dataset_identity, "descriptor_digest": descriptor_digest(descriptors),
+            "encoder_digest": encoder_digest(cfg, encoder_dir)}
 
 
-def pick_device() -> torch.device:
-    """From the environment (CUDA_VISIBLE_DEVICES as SLURM sets it); never assumes cuda:0 exists."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def descriptors_for(method: str, descriptors_json: str | Path, clients: list[str]) -> dict:
-    spec = method_spec(method)
-    if not spec.film:
-        return dict.fromkeys([*clients, "global"])
-    if spec.zero_descriptor:
-        return {k: torch.zeros(DESCRIPTOR_DIM) for k in [*clients, "global"]}
-    doc = json.loads(Path(descriptors_json).read_text())
-    out = {c: torch.tensor(doc["clients"][c]["standardised"], dtype=torch.float32) for c in clients}
-    out["global"] = torch.tensor(doc["centroid"]["standardised"], dtype=torch.float32)
-    return out
-
-
-def build_model(cfg: Config, method: str, seed: int, encoder_dir: str | None) -> FedHistoModel:
-    torch.manual_seed(0)  # a random (non-pretrained) encoder must be identical across runs
-    encoder = load_encoder(cfg.model.encoder, encoder_dir)
-    torch.manual_seed(seed)  # LoRA A and head initialisation follow the run seed
-    return FedHistoModel(encoder, cfg.model, film=method_spec(method).film)
+def descriptors_for(method: Method, descriptors_json: str | Path, participants: list[str]) -> dict:
+    doc = json.loads(Path(descriptors_json).read_text()) if method.film else None
+    return method.descriptors(doc, participants)
 
 
 def validate_outcome(ckpt: dict, metric: float) -> list[str]:
     problems = []
-    for name, tensor in ckpt["best"]["state"].items():
-        if not torch.isfinite(tensor).all():
-            problems.append(f"checkpoint tensor {name} is not finite")
+    for member, state in ckpt["best"]["members"].items():
+        for name, tensor in state.items():
+            if not torch.isfinite(tensor).all():
+                problems.append(f"checkpoint tensor {member}/{name} is not finite")
     if not (0.0 <= metric <= 1.0) or math.isnan(metric):
         problems.append(f"validation macro-F1 {metric} outside [0, 1]")
     if not ckpt["history"]:
@@ -82,15 +72,12 @@ def validate_outcome(ckpt: dict, metric: float) -> list[str]:
 
 
 def _write_history(path: Path, history: list[dict]) -> None:
-    def writer(tmp: Path) -> None:
-        with tmp.open("w", newline="") as fh:
-            w = csv.writer(fh, lineterminator="\n")
-            w.writerow(["round", "val_macro_f1", "best", "weights", "losses", "failed_clients", "wall_s"])
-            for h in history:
-                w.writerow([h["round"], f"{h['val_macro_f1']:.6f}", h["best"], json.dumps(h["weights"]),
-                            json.dumps(h["losses"]), json.dumps(h["failed_clients"]), h["wall_s"]])
-
-    write_with(path, writer)
+    rows = [{"round": h["round"], "val_macro_f1": f"{h['val_macro_f1']:.6f}", "best": h["best"],
+             "weights": json.dumps(h["weights"]), "losses": json.dumps(h["losses"]),
+             "unavailable_clients": json.dumps(h["unavailable_clients"]),
+             "member_macro_f1": json.dumps(h["member_metrics"]), "wall_s": h["wall_s"]} for h in history]
+    write_csv(path, rows, ["round", "val_macro_f1", "best", "weights", "losses", "unavailable_clients",
+                           "member_macro_f1", "wall_s"])
 
 
 def _set_aside_foreign_checkpoint(path: Path, identity: dict) -> None:
@@ -110,31 +97,51 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(threads, 1))
     device = pick_device()
+    m = build_method(method, cfg)
     dataset_identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
-    block = training_block(cfg, method, seed)
-    identity = {"method": method, "seed": seed, "config_hash": config_hash(block), "dataset_identity": dataset_identity}
     parts = load_partitions(manifest_csv, cfg.views.crop_size)
-    clients = sorted(k for k in parts if ":" not in k and k.startswith("C"))
-    model = build_model(cfg, method, seed, encoder_dir).to(device)
+    clients = m.participants({k: parts[k] for k in sorted(parts) if ":" not in k and k.startswith("C")})
+    descriptors = descriptors_for(m, descriptors_json, sorted(clients))
+    identity = run_identity(cfg, m, seed, dataset_identity, descriptors, encoder_dir)
+    model = build_model(cfg, m, seed, encoder_dir).to(device)
     _set_aside_foreign_checkpoint(out / "checkpoint.pt", identity)
-    ctx = RunContext(model=model, clients={c: parts[c] for c in clients}, validation=parts["validation"],
-                     descriptors=descriptors_for(method, descriptors_json, clients), spec=method_spec(method),
+    ctx = RunContext(model=model, method=m, clients=clients, validation=parts["validation"], descriptors=descriptors,
                      cfg=cfg, seed=seed, identity=identity, device=device, checkpoint=out / "checkpoint.pt",
                      **test_hooks)
-    ckpt = run_rounds(ctx)
-    probs = predict(model, parts["validation"], ctx.descriptors["global"], cfg, device)
-    metric = macro_f1(probs, parts["validation"].labels)
+    prov = provenance_block(STAGE, stage_block(cfg, STAGE, method=method, seed=seed),
+                            {"manifest": manifest_csv, "descriptors": descriptors_json})
+    summary = {"method": method, "seed": seed, "identity": identity, "runtime": runtime_block(device),
+               "provenance": prov, "pid": os.getpid()}
+    try:
+        ckpt = run_rounds(ctx)
+    except (ClientFailure, TooManyUnavailable) as exc:
+        failure = {"failed": type(exc).__name__, "error": str(exc), "client": getattr(exc, "client", None),
+                   "round": getattr(exc, "round", None)}
+        write_json(out / "failure.json", {**summary, **failure})
+        if isinstance(exc, ClientFailure):
+            raise  # a bug or a crash is never absorbed: the job fails and says where
+        write_json(out / "status.json", {"status": "failed", "method": method, "seed": seed,
+                                         "dataset_identity": dataset_identity, "provenance": prov})
+        return {**summary, **failure}
+    best = ckpt["best"]["members"]  # evaluation uses the validation-selected states
+    rows, member_f1 = [], []
+    for member, state in best.items():
+        model.load_trainable_state(state)
+        probs = predict(model, parts["validation"], descriptors["global"], cfg, device)
+        member_f1.append(macro_f1(probs, parts["validation"].labels))
+        tag = {"model": member} if len(best) > 1 else {}
+        rows += [{"sample_id": i, "label": CLASSES[y], **dict(zip(PROB_COLUMNS, (f"{v:.8f}" for v in p.tolist()),
+                                                               strict=True)), **tag}
+                 for i, y, p in zip(parts["validation"].ids, parts["validation"].labels, probs, strict=True)]
+    metric = sum(member_f1) / len(member_f1)
     _write_history(out / "history.csv", ckpt["history"])
-    write_with(out / "validation_predictions.csv", lambda tmp: tmp.write_text(
-        "sample_id,label," + ",".join(f"p_{c}" for c in CLASSES) + "\n" + "".join(
-            f"{i},{CLASSES[y]}," + ",".join(f"{v:.8f}" for v in p.tolist()) + "\n"
-            for i, y, p in zip(parts["validation"].ids, parts["validation"].labels, probs, strict=True))))
-    prov = provenance_block(STAGE, block, {"manifest": manifest_csv, "descriptors": descriptors_json})
+    write_csv(out / "validation_predictions.csv", rows)
     problems = validate_outcome(ckpt, metric)
-    summary = {"method": method, "seed": seed, "identity": identity, "device": str(device),
-               "rounds": ckpt["round"], "best_round": ckpt["best"]["round"], "early_stopped": ckpt["stopped"],
-               "resumed_at_rounds": ckpt.get("resumed_at_rounds", []),
-               "validation_macro_f1": metric, "provenance": prov, "pid": os.getpid()}
+    summary.update({"rounds": ckpt["round"], "best_round": ckpt["best"]["round"], "early_stopped": ckpt["stopped"],
+                    "resumed_at_rounds": ckpt.get("resumed_at_rounds", []), "validation_macro_f1": metric,
+                    "unavailable_client_rounds": unavailable_so_far(ckpt),
+                    "unavailable": {h["round"]: h["unavailable_clients"] for h in ckpt["history"]
+                                    if h["unavailable_clients"]}})
     if problems:
         write_json(out / "failure.json", {**summary, "failed": "validation of checkpoint/report", "problems": problems,
                                           "checkpoint_usable": all("tensor" not in p for p in problems)})

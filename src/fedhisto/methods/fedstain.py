@@ -1,4 +1,4 @@
-"""FedStain's client side on the shared frozen-encoder PEFT model (SPEC section 11).
+"""FedStain (SPEC section 11) on the shared frozen-encoder PEFT model, as its paper's Algorithm 1 prints it.
 
 Two pieces: the style statistics a client uploads at the start of a round (Algorithm 2, stage a)
 and the local objective on four views of each batch (stage b): the original X, RandStain(X), and
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,13 +27,16 @@ from fedhisto.federated.fedstain import (
     channel_moments,
     js_multi,
     mixstyle_higher_order,
+    pool_excluding,
     randstain,
     representation_alignment,
+    style_traffic,
     upload_count,
 )
+from fedhisto.methods.base import Batch, LocalRun, Method, named_rng
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
-from fedhisto.views import eval_view
+from fedhisto.views import eval_view, training_views
 
 
 class FeatureStyle:
@@ -151,3 +155,33 @@ def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y:
         "supcon": fs.weight_supcon * representation_alignment(zs[0], zs[1:], y, fs.supcon_tau),
         "js": fs.weight_js * js_multi(logits),
     }
+
+
+class FedStain(Method):
+    """Server: pools every client's uploaded statistics and sends each client the pool without its own
+    rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Client: statistics of ceil(r n_i) images
+    before training; L = CE + alpha L_RA + beta L_JS over four views per batch (eq. 6)."""
+
+    def upload_before_training(self, model, start_state, data, rng, device) -> StyleStats:
+        return client_style_statistics(model, start_state, data, self.cfg, rng, device)
+
+    def configure_train(self, round_idx, server_state, uploads: dict[str, Any]):
+        return {name: {"style_pool": pool_excluding(uploads, name)} for name in uploads}
+
+    @contextmanager
+    def local_session(self, run: LocalRun) -> Iterator[None]:
+        with feature_style(run.model, self.settings.mixstyle_after_layer) as hook:
+            run.scratch["hook"] = hook
+            yield
+
+    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
+        # its own views and objective on the plain geometric view of each image
+        x = torch.stack([training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
+                                        False, stain_single=False)[0] for i in batch.idx])
+        rng = named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
+        with run.autocast():
+            return fedstain_terms(run.model, run.scratch["hook"], x, batch.y, run.payload["style_pool"],
+                                  run.ce_weights, run.cfg, rng, run.device)
+
+    def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
+        return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio)}

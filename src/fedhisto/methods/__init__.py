@@ -1,0 +1,52 @@
+"""Federated methods as registered strategies (see ``base.Method`` for the hooks).
+
+Built-in methods are registered here by import path, so that importing this package (as the
+Snakefile does to validate names and build wildcard constraints) never imports torch. Register
+your own with :func:`register` (a class or ``"module:Class"``), as README's "Adding a method" shows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fedhisto.methods.registry import (
+    Registration,
+    method_names,
+    register,
+    registration,
+    unregister,
+    wildcard_pattern,
+)
+
+if TYPE_CHECKING:
+    from fedhisto.config import Config
+    from fedhisto.methods.base import Method
+
+__all__ = ["Registration", "build_method", "method_names", "register", "registration", "unregister",
+           "wildcard_pattern"]
+
+_PAST = "fedhisto.methods.past:PastFamily"
+# The study's Table 3, one keyword-named switch row per method.
+register("fedavg_peft", _PAST, "past")
+register("fedprox_peft", _PAST, "past", proximal=True)
+register("film_zero", _PAST, "past", film=True, zero_descriptor=True)
+register("past_v1", _PAST, "past", film=True, prototypes="v1", aggregation="adaptive")
+register("past_v2", _PAST, "past", film=True, prototypes="v2", paired_views=True, js=True, feat=True,
+         aggregation="adaptive")
+register("v2_no_js", _PAST, "past", film=True, prototypes="v2", paired_views=True, js=False, feat=True,
+         aggregation="adaptive")
+register("v2_no_feat", _PAST, "past", film=True, prototypes="v2", paired_views=True, js=True, feat=False,
+         aggregation="adaptive")
+register("v2_no_proto", _PAST, "past", film=True, prototypes="none", paired_views=True, js=True, feat=True,
+         aggregation="adaptive")
+# The FedStain comparator (not in the study) on the same PEFT architecture as fedavg_peft.
+register("fedstain", "fedhisto.methods.fedstain:FedStain", "fedstain")
+# References every federated method is measured against (FLamby reports both).
+register("local_only", "fedhisto.methods.local_only:LocalOnly")
+register("pooled", "fedhisto.methods.pooled:Pooled")
+
+
+def build_method(name: str, cfg: Config) -> Method:
+    """The method object of a run: its registered class with its registered options."""
+    reg = registration(name)
+    return reg.method_class()(name, cfg, reg.config_key, **reg.options)

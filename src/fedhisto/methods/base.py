@@ -1,0 +1,212 @@
+"""The hooks every federated method implements, split into a server half and a client half.
+
+Modelled on Flower's strategies (``configure_train`` / ``aggregate_train``): the engine (the
+in-process round loop, the Flower apps, a batched engine) owns data, optimisers, checkpoints and
+transport; a method only says what differs. Every hook is a pure function of tensors and plain
+values, so the same object serves a simulation and a real federation.
+
+One round, as the engines call the hooks:
+
+1. server ``configure_train``: what each participant receives (start state, method payload);
+   a method may first ask every participant for a pre-round upload (client
+   ``upload_before_training``, e.g. FedStain's style statistics) and build payloads from them;
+2. client: the engine runs ``local_epochs`` of micro-batches; per batch ``batch_terms`` returns the
+   named loss terms (summed and back-propagated by the engine), inside ``local_session``;
+3. server ``client_weights`` then ``aggregate_train``: the new state of every member;
+4. optional post-aggregation exchange (client ``upload_after_aggregation``, server
+   ``aggregate_uploads``, e.g. prototypes), kept as the method's server state for the next round.
+
+A *participant* is what trains in a round (a client; ``pooled`` has one); a *member* is a model the
+run keeps and evaluates (``global`` for a federated method; one per client for ``local_only``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedhisto.config import Config
+from fedhisto.federated.aggregate import aggregate
+from fedhisto.federated.weights import SampleMass
+from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
+from fedhisto.train.data import Split
+from fedhisto.views import training_views
+
+GLOBAL = "global"
+
+
+@dataclass
+class LocalRun:
+    """One participant's local training in one round: what the engine hands to the batch hooks."""
+
+    model: FedHistoModel
+    data: Split
+    descriptor: torch.Tensor | None        # (1, 14) on the device, or None without FiLM
+    payload: dict[str, Any]                # from configure_train
+    start_state: dict[str, torch.Tensor]   # on the device (FedProx pulls towards it)
+    params: dict[str, torch.nn.Parameter]
+    ce_weights: torch.Tensor
+    cfg: Config
+    seed: int
+    round_idx: int
+    client_idx: int
+    device: torch.device
+    scratch: dict[str, Any] = field(default_factory=dict)  # what local_session sets up for the batches
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+
+
+@dataclass
+class Batch:
+    """Indices into ``LocalRun.data`` and their labels; ``view_epoch`` and ``number`` seed the views."""
+
+    idx: np.ndarray
+    y: torch.Tensor
+    epoch: int
+    view_epoch: int
+    number: int
+
+
+def stream_rng(seed: int, *stream: int) -> np.random.Generator:
+    """The generator of one named random stream of a run (see ``STREAMS``)."""
+    return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
+
+
+#: Named random streams of a run; every draw derives from (seed, stream id, round, participant, ...),
+#: so a resumed run replays the next round exactly.
+STREAMS = {"torch": 10, "order": 11, "style_sample": 12, "style_views": 13}
+
+
+def named_rng(name: str, seed: int, *keys: int) -> np.random.Generator:
+    return stream_rng(seed, STREAMS[name], *keys)
+
+
+def balanced_cross_entropy(logits: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Class-weighted CE as ``F.cross_entropy(weight=w)`` computes it (normalised by the batch's weights)."""
+    return F.cross_entropy(logits, y, weight=weights)
+
+
+class Method:
+    """Base: FedAvg over the PEFT adapters on single plain views, no extra exchange.
+
+    Subclasses override the hooks that differ. ``config_key`` (from the registration) names the
+    ``train.<key>`` block whose settings the method reads and that enters the run identity.
+    """
+
+    film: bool = False              # the model carries stain-conditioned FiLM
+    paired_views: bool = False      # two stain views per image: micro-batch x accumulation, else one batch
+    exchanges_model: bool = True    # the trainable state travels down and up every round (Table 8)
+
+    def __init__(self, name: str, cfg: Config, config_key: str | None = None, **options: Any) -> None:
+        if options:
+            raise TypeError(f"method {name!r}: unexpected options {sorted(options)}")
+        self.name = name
+        self.cfg = cfg
+        self.config_key = config_key
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def settings(self):
+        """The method family's config block (``train.<config_key>``), or None."""
+        return getattr(self.cfg.train, self.config_key) if self.config_key else None
+
+    def participants(self, clients: dict[str, Split]) -> dict[str, Split]:
+        """What trains in a round (default: every client on its own optimisation set)."""
+        return clients
+
+    def members(self, participants: Sequence[str]) -> list[str]:
+        """The models a run keeps, checkpoints and evaluates (default: one global model)."""
+        return [GLOBAL]
+
+    def descriptors(self, doc: dict | None, participants: Sequence[str]) -> dict[str, torch.Tensor | None]:
+        """Stain descriptor per participant and ``global`` (validation/test/external); None without FiLM."""
+        return dict.fromkeys([*participants, GLOBAL])
+
+    def batch_shape(self) -> tuple[int, int]:
+        """(micro-batch, accumulation steps) of one optimiser step."""
+        t = self.cfg.train
+        return (t.paired_micro_batch, t.accumulation_steps) if self.paired_views else (t.single_view_batch, 1)
+
+    # ----------------------------------------------------------- server half
+    def start_state(self, members: dict[str, dict[str, torch.Tensor]], participant: str) -> dict[str, torch.Tensor]:
+        """Server: the state a participant starts the round from (default: the global one)."""
+        return members[GLOBAL]
+
+    def upload_before_training(self, model: FedHistoModel, start_state: dict[str, torch.Tensor], data: Split,
+                               rng: np.random.Generator, device: torch.device) -> Any | None:
+        """Client, before local training: an upload the server needs to configure the round."""
+        return None
+
+    def configure_train(self, round_idx: int, server_state: Any, uploads: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Server: the method payload of each participant (``uploads`` holds one entry per participant,
+        None where it uploaded nothing). Default: nothing beyond the start state."""
+        return {name: {} for name in uploads}
+
+    def client_weights(self, counts: Sequence[int], updates: Sequence[torch.Tensor]) -> list[float]:
+        """Server: aggregation weights a_k of the returned participants (default: sample mass)."""
+        return SampleMass()(counts, updates)
+
+    def aggregate_train(self, states: dict[str, dict[str, torch.Tensor]], weights: Sequence[float],
+                        model: FedHistoModel) -> dict[str, dict[str, torch.Tensor]]:
+        """Server: the new member states from the returned states. Default: delta-SVD for LoRA pairs
+        and the weighted mean for the rest (``federated.aggregate``)."""
+        names = list(states)
+        return {GLOBAL: aggregate([states[n] for n in names], weights, model.lora_scaling, self.cfg.model.lora_r)}
+
+    def upload_after_aggregation(self, model: FedHistoModel, data: Split, descriptor: torch.Tensor | None,
+                                 device: torch.device) -> Any | None:
+        """Client, with the new global model loaded: an upload for the server state (default: none)."""
+        return None
+
+    def aggregate_uploads(self, uploads: dict[str, Any]) -> Any | None:
+        """Server: the method state kept for the next round from the post-aggregation uploads."""
+        return None
+
+    # ----------------------------------------------------------- client half
+    @contextmanager
+    def local_session(self, run: LocalRun) -> Iterator[None]:
+        """Set-up around one participant's local epochs (e.g. a forward hook)."""
+        yield
+
+    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
+        """The named loss terms of one micro-batch; the engine sums them and back-propagates."""
+        cfg = run.cfg
+        views = [training_views(run.data.images[i], cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
+                                self.paired_views) for i in batch.idx]
+        with run.autocast():
+            outs = [run.model(torch.stack([v[k] for v in views]).to(run.device), run.descriptor)
+                    for k in range(len(views[0]))]
+        logits = [o[0].float() for o in outs]
+        zs = [o[1].float() for o in outs]
+        terms = {"ce": sum(balanced_cross_entropy(lg, batch.y, run.ce_weights) for lg in logits) / len(logits)}
+        terms.update(self.extra_terms(run, batch, logits, zs))
+        return terms
+
+    def extra_terms(self, run: LocalRun, batch: Batch, logits: list[torch.Tensor],
+                    zs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Terms beyond class-balanced CE on the views' logits and embeddings (default: none)."""
+        return {}
+
+    # ----------------------------------------------------------- accounting
+    def extra_traffic_bytes(self, dim: int, availability: dict[str, list[bool]],
+                            optimisation_sizes: dict[str, int]) -> dict[str, int]:
+        """Bytes per round beyond the model exchange, by message kind (Table 8)."""
+        return {}
+
+
+def zero_descriptors(participants: Sequence[str]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(DESCRIPTOR_DIM) for k in [*participants, GLOBAL]}
+
+
+def client_descriptors(doc: dict, participants: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Each client's standardised descriptor; the centroid for ``global``."""
+    out = {c: torch.tensor(doc["clients"][c]["standardised"], dtype=torch.float32) for c in participants}
+    out[GLOBAL] = torch.tensor(doc["centroid"]["standardised"], dtype=torch.float32)
+    return out

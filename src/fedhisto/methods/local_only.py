@@ -1,0 +1,27 @@
+"""``local_only``: every client trains alone, with the same rounds, budget and early stopping.
+
+Answers "does federation help at all?". Each client keeps its own model (a *member* of the run,
+named by the client), starts every round from its own state and never exchanges anything; the
+objective is ``fedavg_peft``'s (class-balanced CE on one plain view). Validation, prediction and
+metrics score every client's model separately; the run's validation metric, and the method's
+metrics in Tables 4-6, are the mean over the client models (``metrics``, ``bootstrap``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fedhisto.methods.base import Method
+
+
+class LocalOnly(Method):
+    exchanges_model = False  # nothing travels between sites and server
+
+    def members(self, participants: Sequence[str]) -> list[str]:
+        return sorted(participants)
+
+    def start_state(self, members, participant):
+        return members[participant]
+
+    def aggregate_train(self, states, weights, model):
+        return dict(states)  # no exchange: each returned client's state is its model

@@ -1,0 +1,106 @@
+"""The study's family (Table 3): FedAvg-PEFT, FedProx-PEFT, FiLM-Zero, FedHisto-PAST v1 and v2, and
+v2's component ablations, as one class with keyword-named switches (one row per registered name).
+
+Local objective of v2 (study eq. 2):
+    L = CE_cb(view 1, view 2) + 0.25 JS(p1, p2) + 0.10 (1 - cos(z1, z2)) + 0.05 L_proto,v2
+with v1's unweighted prototype attraction in place of L_proto,v2, and FedProx's
+(mu / 2) ||theta - theta_global||^2 for ``proximal``. Client weights: sample mass, or the
+adaptive heuristic of eq. 4 (``federated.weights.Adaptive``). Aggregation: delta-SVD (eq. 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from fedhisto.federated.losses import feature_consistency, js_divergence, prototype_v1, prototype_v2, proximal
+from fedhisto.federated.prototypes import (
+    ClientPrototypes,
+    ServerPrototypes,
+    aggregate_prototypes,
+    client_prototypes,
+    prototype_traffic,
+)
+from fedhisto.federated.weights import Adaptive, SampleMass
+from fedhisto.methods.base import Batch, LocalRun, Method, client_descriptors, zero_descriptors
+from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
+from fedhisto.train.data import Split, eval_batches
+
+
+class PastFamily(Method):
+    def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
+                 prototypes: Literal["none", "v1", "v2"] = "none", paired_views: bool = False, js: bool = False,
+                 feat: bool = False, aggregation: Literal["sample_mass", "adaptive"] = "sample_mass",
+                 proximal: bool = False) -> None:
+        super().__init__(name, cfg, config_key)
+        self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
+        self.paired_views, self.js, self.feat = paired_views, js, feat
+        self.aggregation, self.proximal = aggregation, proximal
+
+    def descriptors(self, doc, participants):
+        if not self.film:
+            return super().descriptors(doc, participants)
+        return zero_descriptors(participants) if self.zero_descriptor else client_descriptors(doc, participants)
+
+    def configure_train(self, round_idx, server_state, uploads):
+        protos = ServerPrototypes.from_state(server_state) if server_state else None
+        return {name: {"prototypes": protos} for name in uploads}
+
+    def client_weights(self, counts: Sequence[int], updates: Sequence[torch.Tensor]) -> list[float]:
+        if self.aggregation == "adaptive":
+            return Adaptive(floor=self.settings.adaptive_floor)(counts, updates)
+        return SampleMass()(counts, updates)
+
+    def extra_terms(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
+        p = self.settings
+        terms: dict[str, torch.Tensor] = {}
+        if self.paired_views and self.js:
+            terms["js"] = p.weight_js * js_divergence(logits[0], logits[1])
+        if self.paired_views and self.feat:
+            terms["feat"] = p.weight_feat * feature_consistency(zs[0], zs[1])
+        protos: ServerPrototypes | None = run.payload.get("prototypes")
+        if protos is not None and self.prototypes != "none" and protos.mask.any():
+            c, m, r = (protos.centroids.to(run.device), protos.mask.to(run.device), protos.reliability.to(run.device))
+            if self.prototypes == "v2":
+                loss = sum(prototype_v2(z, batch.y, c, m, r, p.proto_margin) for z in zs) / len(zs)
+            else:
+                loss = sum(prototype_v1(z, batch.y, c, m) for z in zs) / len(zs)
+            terms["proto"] = p.weight_proto * loss
+        if self.proximal:
+            terms["prox"] = proximal(run.params, run.start_state, p.fedprox_mu)
+        return terms
+
+    # ------------------------------------------------- prototypes (study 3.7)
+    @torch.no_grad()
+    def upload_after_aggregation(self, model: FedHistoModel, data: Split, descriptor: torch.Tensor | None,
+                                 device: torch.device) -> ClientPrototypes | None:
+        """Centroids of at most ``proto_max_images`` optimisation images per present class (sample-id order)."""
+        if self.prototypes == "none":
+            return None
+        model.eval()
+        keep, seen = [], [0] * N_CLASSES
+        for i, y in enumerate(data.labels):
+            if seen[y] < self.settings.proto_max_images:
+                keep.append(i)
+                seen[y] += 1
+        subset = Split([data.ids[i] for i in keep], [data.labels[i] for i in keep], [data.images[i] for i in keep])
+        zs, ys = [], []
+        desc = descriptor.to(device)[None] if descriptor is not None else None
+        for x, y in eval_batches(subset, self.cfg.views, self.cfg.evaluate.eval_batch):
+            zs.append(model.embed(x.to(device), desc).float().cpu())
+            ys.append(y)
+        return client_prototypes(torch.cat(zs), torch.cat(ys), N_CLASSES)
+
+    def aggregate_uploads(self, uploads: dict[str, Any]) -> dict | None:
+        if self.prototypes == "none":
+            return None
+        got = [uploads[n] for n in sorted(uploads)]
+        dim = next(v.numel() for u in got for v in u.centroids.values())
+        return aggregate_prototypes(got, N_CLASSES, dim, variant=self.settings.reliability).state()
+
+    def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
+        if self.prototypes == "none":
+            return {}
+        return {"prototype": prototype_traffic(dim, availability).total_bytes}

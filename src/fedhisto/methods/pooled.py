@@ -1,0 +1,29 @@
+"""``pooled``: centralised training on the union of the clients' optimisation sets.
+
+The reference a federated method is measured against (FLamby reports it for every benchmark): the
+images that the federation spreads over five sites, in one place, trained with the same frozen
+encoder, adapters, objective (class-balanced CE on one plain view, as ``fedavg_peft``) and budget
+(the same rounds of ``local_epochs`` epochs, the same early stopping). Nothing is aggregated.
+"""
+
+from __future__ import annotations
+
+from fedhisto.methods.base import GLOBAL, Method
+from fedhisto.train.data import Split
+
+POOLED = "pooled"
+
+
+class Pooled(Method):
+    exchanges_model = False  # nothing travels between sites and server
+
+    def participants(self, clients: dict[str, Split]) -> dict[str, Split]:
+        names = sorted(clients)
+        return {POOLED: Split([i for n in names for i in clients[n].ids], [y for n in names for y in clients[n].labels],
+                              [im for n in names for im in clients[n].images])}
+
+    def client_weights(self, counts, updates) -> list[float]:
+        return [1.0]
+
+    def aggregate_train(self, states, weights, model):
+        return {GLOBAL: states[POOLED]}

@@ -1,0 +1,42 @@
+"""A run's model, device and the digests of what it is conditioned on (run identity)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from fedhisto.config import Config
+from fedhisto.methods.base import Method
+from fedhisto.model.encoder import load_encoder
+from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.provenance import canonical_json, config_hash, digest_path
+
+
+def pick_device() -> torch.device:
+    """From the environment (CUDA_VISIBLE_DEVICES as SLURM sets it); never assumes cuda:0 exists."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_model(cfg: Config, method: Method, seed: int, encoder_dir: str | None) -> FedHistoModel:
+    torch.manual_seed(0)  # a random (non-pretrained) encoder must be identical across runs
+    encoder = load_encoder(cfg.model.encoder, encoder_dir)
+    torch.manual_seed(seed)  # LoRA A and head initialisation follow the run seed
+    return FedHistoModel(encoder, cfg.model, film=method.film)
+
+
+def descriptor_digest(descriptors: dict[str, torch.Tensor | None]) -> str:
+    """SHA-256 of the descriptor values a run conditions on (``none`` for a method without FiLM)."""
+    if all(v is None for v in descriptors.values()):
+        return "none"
+    values = {k: None if v is None else [float(x) for x in v.tolist()] for k, v in sorted(descriptors.items())}
+    return hashlib.sha256(canonical_json(values).encode()).hexdigest()
+
+
+def encoder_digest(cfg: Config, encoder_dir: str | None) -> str:
+    """The frozen encoder's weights: the files of a local folder (pipeline-pretrained or downloaded),
+    else the hub id and pinned revision (or the random-initialisation recipe) that fix them."""
+    folder = encoder_dir or cfg.model.encoder.local_dir
+    if folder:
+        return digest_path(folder)
+    return config_hash(cfg.model.encoder.model_dump(mode="json"))

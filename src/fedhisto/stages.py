@@ -1,0 +1,60 @@
+"""What each stage depends on, stated once.
+
+``stage_block(cfg, stage, ...)`` is the configuration a stage's outputs are a function of. The rule
+passes it as ``params`` (so Snakemake reruns the stage when it changes), the stage hashes it into
+its provenance ``config_hash``, and the training stage's run identity contains it. Nothing here
+imports torch: the Snakefile calls it at parse time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedhisto.config import Config
+from fedhisto.methods import method_names, registration
+
+#: TrainConfig keys that choose which runs exist rather than how a run trains.
+RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds")
+
+
+def training_settings(cfg: Config, method: str) -> dict[str, Any]:
+    """Engine settings plus the method family's own block; other families' blocks do not matter."""
+    train = cfg.train.model_dump(mode="json")
+    families = {registration(name).config_key for name in method_names()} - {None}
+    for key in (*RUN_LISTS, *(families - {registration(method).config_key})):
+        train.pop(key, None)
+    return train
+
+
+def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
+    dump = lambda model: model.model_dump(mode="json")  # noqa: E731
+    if stage == "cohort":
+        return dump(cfg.cohort)
+    if stage == "clearance":
+        return dump(cfg.clearance)
+    if stage == "manifest":
+        return {"manifest": dump(cfg.manifest), "targets": dump(cfg.partition_targets()),
+                "family_policy": cfg.clearance.family_policy}
+    if stage == "stain":
+        # the per-client image sample is drawn with the manifest's split seed
+        return {"stain": dump(cfg.stain), "views": dump(cfg.views), "split_seed": cfg.manifest.split_seed}
+    if stage == "pretrain":
+        return {"pretrain": dump(cfg.model.pretrain), "encoder": cfg.model.encoder.name, "views": dump(cfg.views),
+                "image_size": cfg.cohort.synthetic.image_size}
+    if stage == "train":
+        method, seed = wildcards["method"], int(wildcards["seed"])
+        return {"method": method, "seed": seed, "train": training_settings(cfg, method),
+                "model": dump(cfg.model), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
+    if stage == "predict":
+        return {"method": wildcards["method"], "seed": int(wildcards["seed"]), "views": dump(cfg.views),
+                "eval_batch": cfg.evaluate.eval_batch}
+    if stage == "metrics":
+        return dump(cfg.evaluate)
+    if stage == "bootstrap":
+        name = wildcards["comparison"]
+        return {"comparison": dump(cfg.bootstrap.comparisons[name]),
+                "bootstrap": cfg.bootstrap.model_dump(mode="json", exclude={"comparisons"})}
+    if stage == "accounting":
+        return {"model": dump(cfg.model), "methods": [*cfg.train.methods, *cfg.train.ablations],
+                "targets": dump(cfg.partition_targets())}
+    raise ValueError(f"unknown stage {stage!r}")
