@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.metrics import f1_score
 from tqdm import tqdm
 
 from fedhisto.atomic import atomic_path
 from fedhisto.config import Config
+from fedhisto.evaluation import macro_f1 as macro_f1_of
 from fedhisto.federated.aggregate import aggregate, flat_update
 from fedhisto.federated.fedstain import StyleStats, pool_excluding
 from fedhisto.federated.prototypes import ServerPrototypes, aggregate_prototypes
@@ -85,8 +85,7 @@ def load_checkpoint(path: Path, identity: dict) -> dict | None:
 
 
 def macro_f1(probs: torch.Tensor, labels: list[int]) -> float:
-    return float(f1_score(labels, probs.argmax(1).tolist(), labels=list(range(N_CLASSES)), average="macro",
-                          zero_division=0))
+    return macro_f1_of(labels, probs.argmax(1).cpu().numpy())  # the package's one macro-F1 (fedhisto.evaluation)
 
 
 def style_pools(ctx: RunContext, global_state: dict, names: list[str], round_idx: int) -> dict[str, StyleStats]:
