@@ -1,4 +1,5 @@
-"""Metrics cross-checked against scikit-learn, ECE against a direct loop, bootstrap against scipy."""
+"""Metrics cross-checked against scikit-learn, ECE against a direct loop, bootstrap against scipy;
+the one macro-F1 definition at its three call sites; the bootstrap p bound."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sklearn.metrics import (
 )
 
 from fedhisto.bootstrap import AlignmentError, ensemble, paired_bootstrap
-from fedhisto.evaluation import classification_metrics, ece, macro_f1_from
+from fedhisto.evaluation import classification_metrics, ece, macro_f1
 
 
 def random_case(seed: int, n: int = 300, classes=(0, 1, 2)):
@@ -43,7 +44,7 @@ def test_metrics_match_sklearn(seed: int):
     assert m["macro_auprc"] == pytest.approx(np.mean([average_precision_score(y == c, p[:, c]) for c in range(3)]))
     assert m["nll"] == pytest.approx(log_loss(y, p, labels=[0, 1, 2]))
     assert m["brier"] == pytest.approx(np.mean(((p - np.eye(3)[y]) ** 2).sum(1)))
-    assert macro_f1_from(y, pred) == pytest.approx(m["macro_f1"])
+    assert macro_f1(y, pred) == pytest.approx(m["macro_f1"])
 
 
 def test_ece_against_a_direct_loop():
@@ -75,7 +76,7 @@ def test_bootstrap_is_reproducible_and_matches_scipy():
     again = paired_bootstrap(y, pred_a, pred_b, 4000, seed=20260730)
     assert ours == again
     for key, fn in [("accuracy", lambda yy, a, b: (a == yy).mean() - (b == yy).mean()),
-                    ("macro_f1", lambda yy, a, b: macro_f1_from(yy, a) - macro_f1_from(yy, b))]:
+                    ("macro_f1", lambda yy, a, b: macro_f1(yy, a) - macro_f1(yy, b))]:
         ref = stats.bootstrap((y, pred_a, pred_b), fn, paired=True, vectorized=False, n_resamples=4000,
                               method="percentile", random_state=np.random.default_rng(5))
         lo, hi = ref.confidence_interval
@@ -87,11 +88,75 @@ def test_bootstrap_is_reproducible_and_matches_scipy():
     assert 0 <= ours["macro_f1"]["p_two_sided"] <= 1 and 0 <= ours["macro_f1"]["p_delta_positive"] <= 1
 
 
+# Hand-computed macro-F1 (per-class F1 averaged over the classes present in the labels).
+MACRO_F1_CASES = [
+    # name, labels, predictions, expected
+    ("all present, perfect", [0, 1, 2], [0, 1, 2], 1.0),
+    # ACA P=R=1/2 -> 1/2; Normal P=2/3 R=1 -> 4/5; SCC P=1 R=1/2 -> 2/3
+    ("all present, errors", [0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 2, 0], (1 / 2 + 4 / 5 + 2 / 3) / 3),
+    # like client C5: no SCC image and none predicted. ACA P=1 R=1/2 -> 2/3; Normal P=2/3 R=1 -> 4/5.
+    # Counting SCC as 0 (the old early-stopping rule) would give (2/3 + 4/5) / 3 = 0.4889.
+    ("SCC absent from labels and predictions", [0, 0, 1, 1], [0, 1, 1, 1], (2 / 3 + 4 / 5) / 2),
+    # SCC absent but predicted once: the miss costs ACA's recall (ACA 2/3, Normal 1), SCC is not scored
+    ("SCC absent from labels, predicted", [0, 0, 1, 1], [0, 2, 1, 1], (2 / 3 + 1) / 2),
+    # SCC present, never predicted: F1 0 and counted. ACA 1; Normal P=1/3 R=1 -> 1/2
+    ("present class never predicted", [0, 1, 2, 2], [0, 1, 1, 1], (1 + 1 / 2 + 0) / 3),
+    ("one class present", [1, 1, 1], [1, 1, 0], 4 / 5),   # Normal P=1 R=2/3
+]
+
+
+@pytest.mark.parametrize(("name", "y", "pred", "expected"), MACRO_F1_CASES, ids=[c[0] for c in MACRO_F1_CASES])
+def test_macro_f1_call_sites_agree(name, y, pred, expected):
+    """Early stopping (train.loop), the metrics stage and the bootstrap score a split identically."""
+    torch = pytest.importorskip("torch")
+    from fedhisto.train.loop import macro_f1 as early_stopping_macro_f1
+
+    y, pred = np.array(y), np.array(pred)
+    probs = np.eye(3)[pred] * 0.7 + 0.1                     # argmax = pred
+    exact = 1e-12                                            # the same rational numbers, up to rounding
+    assert macro_f1(y, pred) == pytest.approx(expected, abs=exact)
+    assert classification_metrics(probs, y)["macro_f1"] == pytest.approx(expected, abs=exact)
+    assert paired_bootstrap(y, pred, pred, 100, seed=1)["macro_f1"]["method"] == pytest.approx(expected, abs=exact)
+    assert early_stopping_macro_f1(torch.tensor(probs), y.tolist()) == pytest.approx(expected, abs=exact)
+
+
+def test_bootstrap_of_a_cohort_without_a_class_leaves_that_recall_empty():
+    y = np.array([0, 0, 1, 1] * 10)                        # no SCC image at all
+    res = paired_bootstrap(y, y, np.where(np.arange(40) % 5 == 0, 2, y), 200, seed=3)
+    assert res["recall_SCC"]["n_resamples"] == 0 and res["recall_SCC"]["difference"] is None
+    assert res["macro_f1"]["method"] == 1.0 and res["macro_f1"]["n_resamples"] == 200
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_macro_f1_rule_is_sklearn_over_the_labels_present(seed: int):
+    p, y = random_case(seed, n=60, classes=(0, 2))     # Normal absent from the labels, sometimes predicted
+    pred = p.argmax(1)
+    assert (pred == 1).any()
+    ref = f1_score(y, pred, labels=np.unique(y), average="macro", zero_division=0)
+    assert macro_f1(y, pred) == pytest.approx(ref, abs=1e-12)
+    assert classification_metrics(p, y)["macro_f1"] == pytest.approx(ref, abs=1e-12)
+
+
+def test_p_is_an_upper_bound_when_no_replicate_crosses_zero():
+    rng = np.random.default_rng(4)
+    y = rng.integers(0, 3, 400)
+    worse = np.where(rng.random(400) < 0.3, (y + 1) % 3, y)  # 30 % wrong: every resample favours y itself
+    res = paired_bootstrap(y, y, worse, 10_000, seed=20260730)["macro_f1"]
+    assert res["p_delta_positive"] == 1.0 and res["ci_low"] > 0
+    # twice the smaller (empty) tail is 0: reported as its resolution 2/B, flagged; the study's "p < 0.0002"
+    assert res["p_is_upper_bound"] is True and res["p_two_sided"] == pytest.approx(2 / 10_000)
+    assert f"{res['p_two_sided']:g}" == "0.0002"
+    other = np.where(rng.random(400) < 0.3, (y + 2) % 3, y)  # as good: replicates fall on both sides
+    crossing = paired_bootstrap(y, worse, other, 2000, seed=1)["macro_f1"]
+    assert crossing["p_is_upper_bound"] is False and 2 / 2000 <= crossing["p_two_sided"] <= 1
+
+
 def test_identical_methods_give_zero_difference():
     p, y = random_case(2)
     res = paired_bootstrap(y, p.argmax(1), p.argmax(1), 500, seed=1)
     assert res["macro_f1"]["difference"] == 0 and res["macro_f1"]["ci_low"] == 0 == res["macro_f1"]["ci_high"]
     assert res["macro_f1"]["p_delta_positive"] == 0 and res["macro_f1"]["p_two_sided"] == 1
+    assert res["macro_f1"]["p_is_upper_bound"] is False
 
 
 def _write_pred(path, ids, labels, probs):

@@ -5,8 +5,19 @@ aligned by stable sample id; misalignment is an error) are resampled with the *s
 indices: B resamples (10,000; 5,000 for ablations) from a generator seeded with 20260730.
 Per metric: each method's point estimate, the difference, its percentile 95 % CI, the
 two-sided bootstrap p (twice the smaller tail mass of the differences around 0, capped at 1)
-and P(delta > 0). Metrics: macro-F1, balanced accuracy, accuracy, per-class recall.
+and P(delta > 0). Metrics: macro-F1 (:func:`fedhisto.evaluation.macro_f1_from_confusion`, the
+package's one definition), balanced accuracy, accuracy, per-class recall.
 Resampling images cannot capture patient-level dependence; the p-values are descriptive.
+
+Resolution of p: with B usable replicates the smallest p this definition can return above 0 is
+2/B (one replicate on the far side of zero). When no replicate lies on the far side, p is not 0
+but below that resolution, so the JSON records ``p_two_sided = 2/B`` with ``p_is_upper_bound:
+true`` and the tables print ``< 0.0002`` for B = 10,000: the study's "p < 0.0002".
+
+Seeds: each ensemble's seeds come from :meth:`fedhisto.config.Config.comparison_seeds`; an
+ablation comparison (study Table 7) uses ``train.ablation_seeds`` for *both* ensembles, so
+full v2 is its matched 11/33/55 subset, not its five-seed ensemble. The JSON records both seed
+lists and the ``ablation`` flag, which the report uses to split Tables 6 and 7.
 """
 
 from __future__ import annotations
@@ -18,7 +29,8 @@ import numpy as np
 
 from fedhisto import CLASSES
 from fedhisto.atomic import write_json
-from fedhisto.config import BootstrapConfig
+from fedhisto.config import BootstrapConfig, Config
+from fedhisto.evaluation import class_scores, macro_f1_from_confusion, mean_over_present
 from fedhisto.provenance import provenance_block
 
 STAGE = "bootstrap"
@@ -65,18 +77,11 @@ def confusion_counts(y: np.ndarray, pred: np.ndarray, weights: np.ndarray) -> np
 
 def metrics_from_confusion(cm: np.ndarray) -> dict[str, np.ndarray]:
     """Vectorised over the leading axis; classes absent from a resample drop out of the macro means."""
-    support = cm.sum(2)
-    predicted = cm.sum(1)
-    tp = np.diagonal(cm, axis1=1, axis2=2)
-    present = support > 0
-    recall = np.where(present, tp / np.maximum(support, 1), np.nan)
-    precision = np.where(predicted > 0, tp / np.maximum(predicted, 1), 0.0)
-    f1 = np.where(present, np.where(precision + recall > 0, 2 * precision * recall /
-                                    np.maximum(precision + recall, 1e-300), 0.0), np.nan)
-    out = {"macro_f1": np.nanmean(f1, axis=1), "balanced_accuracy": np.nanmean(recall, axis=1),
-           "accuracy": tp.sum(1) / cm.sum((1, 2))}
+    s = class_scores(cm)
+    out = {"macro_f1": macro_f1_from_confusion(cm), "balanced_accuracy": mean_over_present(s["recall"], s["present"]),
+           "accuracy": np.diagonal(cm, axis1=1, axis2=2).sum(1) / cm.sum((1, 2))}
     for c, name in enumerate(CLASSES):
-        out[f"recall_{name}"] = recall[:, c]
+        out[f"recall_{name}"] = s["recall"][:, c]
     return out
 
 
@@ -104,30 +109,57 @@ def paired_bootstrap(y: np.ndarray, pred_a: np.ndarray, pred_b: np.ndarray, resa
     for k, parts in deltas.items():
         d = np.concatenate(parts)
         d = d[np.isfinite(d)]
+        if not len(d):  # recall of a class absent from the cohort: never observed, nothing to compare
+            result[k] = {**dict.fromkeys(("method", "reference", "difference", "ci_low", "ci_high", "p_two_sided",
+                                          "p_delta_positive")), "p_is_upper_bound": False, "n_resamples": 0}
+            continue
         lo, hi = np.percentile(d, [100 * alpha, 100 * (1 - alpha)])
-        p = min(1.0, 2 * min((d <= 0).mean(), (d >= 0).mean()))
+        tail = min((d <= 0).mean(), (d >= 0).mean())
+        bound = tail == 0            # no replicate on the far side of 0: p is below the resolution 2/B
+        p = 2 / len(d) if bound else min(1.0, 2 * tail)
         result[k] = {"method": float(point_a[k][0]), "reference": float(point_b[k][0]),
                      "difference": float(point_a[k][0] - point_b[k][0]), "ci_low": float(lo), "ci_high": float(hi),
-                     "p_two_sided": float(p), "p_delta_positive": float((d > 0).mean()),
-                     "n_resamples": len(d)}
+                     "p_two_sided": float(p), "p_is_upper_bound": bool(bound),
+                     "p_delta_positive": float((d > 0).mean()), "n_resamples": len(d)}
     return result
 
 
-def run_bootstrap(name: str, method_files: list[str], reference_files: list[str], cfg: BootstrapConfig,
-                  out_json: str | Path) -> dict:
+def comparison_files(cfg: Config, name: str) -> dict[str, tuple[list[int], list[str]]]:
+    """``{"method": (seeds, files), "reference": (seeds, files)}``: the external predictions of
+    each ensemble of a named comparison, on the seeds of :meth:`Config.comparison_seeds`."""
+    if name not in cfg.bootstrap.comparisons:
+        raise ValueError(f"unknown comparison {name!r}; configured: {', '.join(cfg.bootstrap.comparisons)}")
+    comp = cfg.bootstrap.comparisons[name]
+    out = {}
+    for role, seeds in zip(("method", "reference"), cfg.comparison_seeds(name), strict=True):
+        method = getattr(comp, role)
+        out[role] = (seeds, [f"results/predictions/{method}/seed{s}/external.csv" for s in seeds])
+    return out
+
+
+def run_bootstrap(name: str, method_files: list[str], reference_files: list[str],
+                  seeds: tuple[list[int], list[int]], cfg: BootstrapConfig, out_json: str | Path) -> dict:
+    """``seeds``: the method's and the reference's ensemble seeds, one per prediction file, in order."""
     comp = cfg.comparisons[name]
+    method_seeds, reference_seeds = (list(s) for s in seeds)
+    for role, files, sds in (("method", method_files, method_seeds), ("reference", reference_files, reference_seeds)):
+        if len(files) != len(sds):
+            raise ValueError(f"{name}: {len(files)} {role} prediction files for {len(sds)} seeds {sds}")
     ids_a, y_a, p_a = ensemble(method_files)
     ids_b, y_b, p_b = ensemble(reference_files)
     if ids_a != ids_b or not np.array_equal(y_a, y_b):
         raise AlignmentError(f"{name}: the two methods' ensembles cover different images")
     resamples = cfg.ablation_resamples if comp.ablation else cfg.resamples
     metrics = paired_bootstrap(y_a, p_a.argmax(1), p_b.argmax(1), resamples, cfg.seed, cfg.confidence)
-    doc = {"comparison": name, "method": comp.method, "reference": comp.reference, "cohort": "external",
-           "ensemble": {"method_checkpoints": len(method_files), "reference_checkpoints": len(reference_files)},
+    doc = {"comparison": name, "method": comp.method, "reference": comp.reference, "ablation": comp.ablation,
+           "cohort": "external",
+           "ensemble": {"method_seeds": method_seeds, "reference_seeds": reference_seeds,
+                        "method_checkpoints": len(method_files), "reference_checkpoints": len(reference_files)},
            "n_images": len(y_a), "n_resamples": resamples, "seed": cfg.seed, "confidence": cfg.confidence,
            "metrics": metrics,
            "provenance": provenance_block(STAGE, {"comparison": comp.model_dump(mode="json"), "seed": cfg.seed,
-                                                  "resamples": resamples},
+                                                  "resamples": resamples, "method_seeds": method_seeds,
+                                                  "reference_seeds": reference_seeds},
                                           {p: p for p in [*method_files, *reference_files]})}
     write_json(out_json, doc)
     return doc

@@ -312,7 +312,43 @@ class Config(Strict):
                 and self.manifest.targets != self.profile_targets():
             raise ValueError(f"manifest.targets disagree with synthetic profile '{self.cohort.synthetic.profile}'; "
                              "omit manifest.targets to use the profile's counts")
+        self._ablation_seeds_trained()
         return self
+
+    def _ablation_seeds_trained(self) -> None:
+        """An ablation comparison ensembles both methods on train.ablation_seeds (study Table 7:
+        11/33/55), so each of its methods must be trained on every one of those seeds."""
+        abl = list(self.train.ablation_seeds)
+        for name in (n for n in self.trained_comparisons() if self.bootstrap.comparisons[n].ablation):
+            comp = self.bootstrap.comparisons[name]
+            for role, method in (("method", comp.method), ("reference", comp.reference)):
+                missing = [s for s in abl if s not in self.trained_seeds(method)]
+                if missing or not abl:
+                    key = "train.seeds" if method in self.train.methods else "train.ablation_seeds"
+                    raise ValueError(
+                        f"bootstrap.comparisons.{name} (ablation: true) ensembles both methods on train.ablation_seeds "
+                        f"{abl}; its {role} {method!r} trains on {key} {self.trained_seeds(method)}"
+                        f"{f', which lacks {missing}' if missing else ''}. Make train.ablation_seeds a non-empty "
+                        "subset of train.seeds")
+
+    def trained_seeds(self, method: str) -> list[int]:
+        """Seeds a method trains on: train.seeds for a principal method, else train.ablation_seeds."""
+        return list(self.train.seeds if method in self.train.methods else self.train.ablation_seeds)
+
+    def trained_comparisons(self) -> list[str]:
+        """Configured comparisons whose two methods are both configured to train."""
+        trained = set(self.train.methods) | set(self.train.ablations)
+        return [n for n, c in self.bootstrap.comparisons.items() if c.method in trained and c.reference in trained]
+
+    def comparison_seeds(self, name: str) -> tuple[list[int], list[int]]:
+        """Seeds of the method's and the reference's ensembles in comparison ``name``.
+
+        An ablation comparison uses train.ablation_seeds for both (matched seeds: full v2 enters
+        as its 11/33/55 subset, as in study Table 7); any other uses each method's own seeds."""
+        comp = self.bootstrap.comparisons[name]
+        if comp.ablation:
+            return list(self.train.ablation_seeds), list(self.train.ablation_seeds)
+        return self.trained_seeds(comp.method), self.trained_seeds(comp.reference)
 
     def profile_targets(self) -> PartitionTargets:
         from fedhisto.synth.profiles import PROFILES

@@ -3,6 +3,10 @@
 Absent classes are never scored as observed: per-class precision / recall / F1 and the
 one-vs-rest AUROC / AUPRC of a class with no true image are reported as absent (None) and
 left out of the macro averages, which average over the classes present in the labels.
+
+:func:`macro_f1_from_confusion` is the one macro-F1 of the package: the metrics tables, the
+paired bootstrap (vectorised over resamples) and early stopping (``train.loop.macro_f1``) all
+call it, so a split with an absent class scores the same everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +27,63 @@ def confusion(y: np.ndarray, pred: np.ndarray) -> np.ndarray:
     return m
 
 
+def class_scores(cm: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-class precision, recall and F1 from confusion matrices (``... x 3 x 3``, rows true).
+
+    Vectorised over leading axes; entries may be counts or bootstrap multiplicities. ``present``
+    marks classes with at least one true image. A class never predicted has precision 0
+    (sklearn's ``zero_division=0``); a class absent from the labels has recall and F1 NaN
+    (not observed, whatever was predicted).
+    """
+    cm = np.asarray(cm, dtype=np.float64)
+    support, predicted = cm.sum(-1), cm.sum(-2)
+    tp = np.diagonal(cm, axis1=-2, axis2=-1)
+    present = support > 0
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, support, out=np.full_like(tp, np.nan), where=present)
+    denom = precision + np.nan_to_num(recall)
+    f1 = np.divide(2 * precision * np.nan_to_num(recall), denom, out=np.zeros_like(tp), where=denom > 0)
+    return {"support": support, "present": present, "precision": precision, "recall": recall,
+            "f1": np.where(present, f1, np.nan)}
+
+
+def mean_over_present(values: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """Mean over the last axis of the entries where ``present``; NaN where none is."""
+    n = present.sum(-1)
+    total = np.where(present, values, 0.0).sum(-1)
+    return np.divide(total, n, out=np.full(total.shape, np.nan), where=n > 0)
+
+
+def macro_f1_from_confusion(cm: np.ndarray) -> np.ndarray:
+    """Macro-F1: the unweighted mean of the per-class F1 over the classes present in the labels.
+
+    With all three classes present (the global validation and test sets, the external cohort)
+    this is the study's unweighted average over the three target classes, i.e. sklearn's
+    ``f1_score(y, pred, labels=[0, 1, 2], average="macro", zero_division=0)``.
+
+    Absent-class rule: a class with no true image has no F1 and is left out of the mean, whether
+    or not it is predicted; equivalently ``f1_score(y, pred, labels=np.unique(y), average="macro",
+    zero_division=0)``. Predicting an absent class is not free: each such image is a miss in the
+    recall (hence the F1) of its true class. Rejected alternatives:
+
+    - counting an absent class as F1 0 (``labels=[0, 1, 2], zero_division=0``, what early stopping
+      used to do) caps a split lacking a class at 2/3 whatever the model does, yet the study reports
+      worst-client macro-F1 between 0.946 and 1.000 although client C5's holdout has no SCC;
+    - sklearn's default (classes present in labels *or* predictions) adds a zero-F1 class to the
+      mean when the model spuriously predicts an absent class, so the denominator would depend on
+      the model being scored.
+
+    Vectorised over leading axes (the bootstrap's B x 3 x 3 resamples); NaN when no class is present.
+    """
+    s = class_scores(cm)
+    return mean_over_present(s["f1"], s["present"])
+
+
+def macro_f1(y: np.ndarray, pred: np.ndarray) -> float:
+    """Macro-F1 of integer labels against integer predictions (:func:`macro_f1_from_confusion`)."""
+    return float(macro_f1_from_confusion(confusion(np.asarray(y, dtype=int), np.asarray(pred, dtype=int))))
+
+
 def ece(probs: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
     """Expected calibration error over equal-width bins of top-1 confidence (right-closed bins)."""
     conf = probs.max(1)
@@ -41,19 +102,15 @@ def classification_metrics(probs: np.ndarray, y: np.ndarray, ece_bins: int = 15)
     y = np.asarray(y, dtype=int)
     pred = probs.argmax(1)
     cm = confusion(y, pred)
-    present = cm.sum(1) > 0
+    scores = class_scores(cm)
+    present = scores["present"]
     per_class = {}
     for c, name in enumerate(CLASSES):
-        tp, support, predicted = cm[c, c], cm[c].sum(), cm[:, c].sum()
         if not present[c]:
             per_class[name] = {"support": 0, "precision": None, "recall": None, "f1": None, "absent": True}
             continue
-        precision = tp / predicted if predicted else 0.0
-        recall = tp / support
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        per_class[name] = {"support": int(support), "precision": float(precision), "recall": float(recall),
-                           "f1": float(f1), "absent": False}
-    observed = [per_class[n] for n, p in zip(CLASSES, present, strict=True) if p]
+        per_class[name] = {"support": int(cm[c].sum()), "precision": float(scores["precision"][c]),
+                           "recall": float(scores["recall"][c]), "f1": float(scores["f1"][c]), "absent": False}
     onehot = np.eye(N)[y]
     auroc, auprc = [], []
     for c in range(N):
@@ -64,8 +121,8 @@ def classification_metrics(probs: np.ndarray, y: np.ndarray, ece_bins: int = 15)
     return {
         "n": len(y),
         "accuracy": float((pred == y).mean()),
-        "balanced_accuracy": float(np.mean([o["recall"] for o in observed])),
-        "macro_f1": float(np.mean([o["f1"] for o in observed])),
+        "balanced_accuracy": float(mean_over_present(scores["recall"], present)),
+        "macro_f1": float(macro_f1_from_confusion(cm)),
         "macro_auroc": float(np.mean(auroc)) if auroc else None,
         "macro_auprc": float(np.mean(auprc)) if auprc else None,
         "nll": float(-np.log(p_true).mean()),
@@ -75,10 +132,3 @@ def classification_metrics(probs: np.ndarray, y: np.ndarray, ece_bins: int = 15)
         "confusion": cm.tolist(),
         "absent_classes": [n for n, p in zip(CLASSES, present, strict=True) if not p],
     }
-
-
-def macro_f1_from(y: np.ndarray, pred: np.ndarray) -> float:
-    """Macro-F1 over the classes present in ``y``, by the bootstrap's vectorised confusion code."""
-    from fedhisto.bootstrap import metrics_from_confusion
-
-    return float(metrics_from_confusion(confusion(y, pred)[None])["macro_f1"][0])

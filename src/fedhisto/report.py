@@ -65,17 +65,22 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "nll": e["nll"], "brier": e["brier"], "ece": e["ece"]})
     write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles")
     boots = [json.loads(Path(p).read_text()) for p in bootstrap_jsons]
+    for path, b in zip(bootstrap_jsons, boots, strict=True):
+        if "ablation" not in b:
+            raise ValueError(f"{path}: no 'ablation' flag (written before matched-seed ablations); rerun its bootstrap")
+    # the comparison's own flag (bootstrap.comparisons.<name>.ablation) splits Tables 6 and 7, not its name
     for ablation, name, title in ((False, "table6_bootstrap", "Table 6: paired bootstrap, principal comparisons"),
-                                  (True, "table7_ablation", "Table 7: paired bootstrap, component ablations")):
+                                  (True, "table7_ablation", "Table 7: paired bootstrap, component ablations "
+                                                            "(both ensembles on the matched ablation seeds)")):
         rows = []
-        for b in boots:
-            is_ablation = b["reference"].startswith("v2_")
-            if is_ablation != ablation:
-                continue
+        for b in (b for b in boots if b["ablation"] == ablation):
+            seeds = {f"{role}_seeds": " ".join(map(str, b["ensemble"][f"{role}_seeds"])) for role in ("method", "reference")}
             for metric, v in b["metrics"].items():
-                rows.append({"comparison": b["comparison"], "metric": metric, "method": v["method"],
+                # no replicate crossed 0: p is an upper bound, printed as the study does ("< 0.0002")
+                p_text = f"< {v['p_two_sided']:g}" if v["p_is_upper_bound"] else v["p_two_sided"]
+                rows.append({"comparison": b["comparison"], **seeds, "metric": metric, "method": v["method"],
                              "reference": v["reference"], "difference": v["difference"], "ci_low": v["ci_low"],
-                             "ci_high": v["ci_high"], "p_two_sided": v["p_two_sided"],
+                             "ci_high": v["ci_high"], "p_two_sided": p_text,
                              "p_delta_positive": v["p_delta_positive"], "n_resamples": v["n_resamples"]})
         write_table(tables / name, rows, title)
     with Path(communication_csv).open() as fh:
@@ -114,7 +119,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
     ax.set_title(f"{focus} ensemble, external cohort")
     _save(fig, figures / "confusion_v2.png")
 
-    abl = [b for b in boots if b["reference"].startswith("v2_")]
+    abl = [b for b in boots if b["ablation"]]
     fig, ax = plt.subplots(figsize=(6, 2.5 + 0.4 * len(abl)))
     for i, b in enumerate(abl):
         v = b["metrics"]["macro_f1"]

@@ -1,6 +1,6 @@
 # Stage bootstrap: paired image-level bootstrap of one named comparison on the external cohort.
 # Only the two methods' runs are needed: `snakemake results/bootstrap/v2_vs_fedavg.json` builds
-# exactly those.
+# exactly those. An ablation comparison uses train.ablation_seeds for both ensembles (Table 7).
 
 
 rule bootstrap_comparison:
@@ -13,6 +13,8 @@ rule bootstrap_comparison:
         "logs/bootstrap/{comparison}.log",
     params:
         comparison=lambda wildcards: CFG.bootstrap.comparisons[wildcards.comparison].model_dump(mode="json"),
+        # method's and reference's ensemble seeds (ablations: matched train.ablation_seeds)
+        seeds=lambda wildcards: CFG.comparison_seeds(wildcards.comparison),
         bootstrap=CFG.bootstrap.model_dump(mode="json", exclude={"comparisons"}),
     threads: 1
     resources:

@@ -2,6 +2,7 @@
 # per-stage models, whose errors name the dotted key and the allowed values.
 from snakemake.utils import validate
 
+from fedhisto.bootstrap import comparison_files
 from fedhisto.config import load_config
 from fedhisto.methods import wildcard_pattern
 from fedhisto.stages import stage_block
@@ -41,22 +42,15 @@ def encoder_input(wildcards):
     return ["results/pretrain/encoder"] if CFG.model.pretrain.enabled else []
 
 
-def seeds_of(method):
-    return CFG.train.seeds if method in CFG.train.methods else CFG.train.ablation_seeds
-
-
 def comparison_inputs(name, role):
-    """External predictions of every seed of the comparison's method or reference."""
-    if name not in CFG.bootstrap.comparisons:
-        raise ValueError(f"unknown comparison {name!r}; configured: {', '.join(CFG.bootstrap.comparisons)}")
-    method = getattr(CFG.bootstrap.comparisons[name], role)
-    return [f"results/predictions/{method}/seed{s}/external.csv" for s in seeds_of(method)]
+    """External predictions of the seeds of the comparison's method or reference ensemble (an
+    ablation comparison: both on train.ablation_seeds, the study's matched seeds)."""
+    return comparison_files(CFG, name)[role][1]
 
 
 def comparisons_in_config():
     """Comparisons whose two methods are both configured to train."""
-    trained = set(CFG.train.methods) | set(CFG.train.ablations)
-    return [n for n, c in CFG.bootstrap.comparisons.items() if c.method in trained and c.reference in trained]
+    return CFG.trained_comparisons()
 
 
 def all_targets():
