@@ -115,6 +115,9 @@ class ManifestConfig(Strict):
         description="source sites each client's pool is drawn from (synthetic: site k feeds Ck)")
     targets: PartitionTargets | None = Field(
         None, description="partition counts; omit with the synthetic cohort to take its profile's")
+    allow_scaling: bool = Field(
+        False, description="when the kept images cannot fill the targets, scale every target by one common factor "
+                           "(logged, recorded in manifest.json and beside the study's Table 2) instead of stopping")
 
     @model_validator(mode="after")
     def _fractions_valid(self) -> ManifestConfig:
