@@ -64,6 +64,15 @@ class SourceSpec(Strict):
     unmapped: Literal["exclude", "error"] = Field(
         "exclude", description="WSSS4LUAD tiles whose label vector maps to no class: record and exclude, or stop"
     )
+    relpath_root: str | None = Field(
+        None, description="kind csv only: folder the portable relpath of every row is taken from (default: the "
+                          "CSV's own folder); set it when rows give paths outside that folder, e.g. absolute ones")
+
+    @model_validator(mode="after")
+    def _relpath_root_only_for_csv(self) -> SourceSpec:
+        if self.relpath_root is not None and self.kind != "csv":
+            raise ValueError(f"relpath_root applies only to kind csv (this source is kind {self.kind!r})")
+        return self
 
 
 class RealCohort(Strict):
