@@ -132,7 +132,7 @@ def write_table2(composition_csv: str | Path, manifest_json: str | Path, tables_
     from fedhisto.atomic import write_csv, write_text
 
     summary = json.loads(Path(manifest_json).read_text())
-    rows = table2_rows(composition_csv)
+    rows = [{**r, "scale_factor": summary.get("scale_factor", 1.0)} for r in table2_rows(composition_csv)]
     line = scaling_line(summary)
     if summary.get("scale_factor", 1.0) < 1.0:
         log.warning(line)
