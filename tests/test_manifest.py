@@ -243,3 +243,14 @@ def test_whole_families_stay_in_one_partition(tmp_path: Path):
     assert multi and all(len(where[f]) == 1 for f in multi)
     audit = boundary_audit(rows, edges)
     assert audit["cross_boundary_family_edges"] == [] and audit["cross_boundary_exact_matches"] == []
+
+
+def test_a_stage_error_lands_in_the_rule_log(tmp_path: Path):
+    import subprocess
+    import sys
+
+    code = ("from fedhisto.entry import setup_logging; from fedhisto.manifest import ManifestError; "
+            f"setup_logging({str(tmp_path / 'x.log')!r}); raise ManifestError('need 15, available 6')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "ManifestError: need 15, available 6" in (tmp_path / "x.log").read_text()

@@ -120,9 +120,9 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
              blocked: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
         """Exactly ``count`` images in the given order, families kept out of every other partition.
 
-        First whole units that fit and of which nothing is placed (the only pass that matters when
-        units are single images); then, while short, part of the next untouched unit, whose rest
-        is marked unused here so that no other partition can take it.
+        First whole units that fit and of which nothing is placed, in order (the only pass that
+        matters when units are single images); then, while short, part of the untouched unit that
+        wastes least, whose rest is marked unused here so that no other partition can take it.
         """
         chosen: list[str] = []
         placed: set[str] = set()
@@ -138,13 +138,15 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
                 chosen += unit
                 placed.update(unit)
         in_order = {i: n for n, i in enumerate(candidates)}
-        for i in candidates:
-            if len(chosen) == count:
+        while len(chosen) < count:
+            need = count - len(chosen)
+            parts = {tuple(units.get(i, [i])): i for i in reversed(candidates) if untouched(units.get(i, [i]))}
+            if not parts:
                 break
-            unit = units.get(i, [i])
-            if not untouched(unit):
-                continue
-            part = sorted((u for u in unit if u in in_order), key=in_order.__getitem__)[:count - len(chosen)]
+            # best fit: the smallest unit that covers what is missing (else the largest), then the given order
+            unit = list(min(parts, key=lambda u: (len(u) < need, len(u) if len(u) >= need else -len(u),
+                                                  in_order[parts[u]])))
+            part = sorted((u for u in unit if u in in_order), key=in_order.__getitem__)[:need]
             chosen += part
             placed.update(unit)
             for u in unit:
@@ -156,7 +158,7 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
         return ManifestError(
             f"{what} needs {need} images from sites {sites}, only {got} left (a family never spans two partitions: "
             "the rest of a family a partition takes part of stays unused). Demand against what clearance kept:\n"
-            + "\n".join(shortfall_lines(demand)) + "\n" + ways_out(policy))
+            + "\n".join(shortfall_lines(demand)) + "\n" + ways_out(policy, scaling=False))
 
     for k, (client, pool) in enumerate(sorted(targets.clients.items())):
         sites = set(cfg.manifest.client_sites.get(client, []))

@@ -68,10 +68,13 @@ def shortfall_lines(rows: list[dict]) -> list[str]:
             for r in rows]
 
 
-def ways_out(family_policy: str, factor: float | None = None) -> str:
+def ways_out(family_policy: str, factor: float | None = None, scaling: bool = True) -> str:
+    """How to get past a shortfall; ``scaling`` False once the targets fit in total but the draw fell short."""
     first = ("set clearance.family_policy: whole_families (every member of an augmentation family is kept; "
              "a family still never spans two partitions)" if family_policy == "representatives"
-             else "add images or lower manifest.targets")
+             else "add images, lower manifest.targets or give the clients more sites")
+    if not scaling:
+        return f"Ways out: {first}."
     shrink = f" (factor {factor:.4f} here)" if factor is not None else ""
     return (f"Ways out: {first}; or set manifest.allow_scaling: true to shrink every target by one common "
             f"factor{shrink}, recorded in manifest.json and printed beside the study's Table 2 in results/tables/.")
