@@ -1,4 +1,4 @@
-"""Stage report: results/tables (Tables 4-8, CSV and Markdown) and results/figures.
+"""Stage report: results/tables (Table 2 as built, Tables 4-8, CSV and Markdown) and results/figures.
 
 Standalone: ``python scripts/report.py --config config/config.yaml`` after the metrics and bootstrap stages.
 """
@@ -15,7 +15,7 @@ if "snakemake" in globals():
     for (method, _seed), path in zip(smk.params.runs, smk.input.external, strict=True):
         external.setdefault(method, []).append(path)
     run_report(smk.input.metrics, list(smk.input.bootstrap), smk.input.communication, external,
-               Path(smk.output.t4).parent, Path(smk.output.ensemble).parent)
+               Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent)
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
     t = config.train
@@ -25,4 +25,4 @@ elif __name__ == "__main__":
         external.setdefault(m, []).append(f"results/predictions/{m}/seed{s}/external.csv")
     names = [p.stem for p in sorted(Path("results/bootstrap").glob("*.json"))]
     run_report("results/metrics/metrics.json", [f"results/bootstrap/{n}.json" for n in names],
-               "results/accounting/communication.csv", external, "results/tables", "results/figures")
+               "results/accounting/communication.csv", external, "results/tables", "results/figures", "results/manifest")

@@ -33,6 +33,8 @@ def test_paper_yaml_holds_table2(repo: Path):
     assert total == 8922
     assert targets.clients["C5"] == (1181, 1831, 0)
     assert cfg.model.encoder.name == "hibou-b" and cfg.model.encoder.require_pretrained
+    # representatives leave ~250 LC25000 images per class: Table 2 needs whole families, never scaling
+    assert cfg.clearance.family_policy == "whole_families" and not cfg.manifest.allow_scaling
 
 
 def test_default_yaml_takes_targets_from_profile(repo: Path):

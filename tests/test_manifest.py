@@ -9,6 +9,8 @@ from fedhisto.clearance.stage import FAMILY_COLUMNS
 from fedhisto.cohort import plan_cohort
 from fedhisto.config import load_config
 from fedhisto.manifest import (
+    ManifestError,
+    boundary,
     boundary_audit,
     build_manifest,
     composition,
@@ -124,23 +126,107 @@ def test_boundary_audit_catches_family_and_exact_leaks(tmp_path: Path):
     assert audit["cross_boundary_exact_matches"] == ["s1"]
 
 
-def test_too_small_corpus_scales_targets_proportionally(tmp_path: Path):
-    cfg = load_config({"cohort": {"synthetic": {"profile": "small"}}})
-    sources, families, _ = write_corpus(tmp_path, "small")
+def _drop_site1_aca(families: Path, n: int = 10) -> None:
     with families.open() as fh:
         fams = list(csv.DictReader(fh))
     dropped = 0
     for r in fams:  # remove half of site1's ACA images
-        if r["site"] == "site1" and r["label"] == "ACA" and r["keep"] == "True" and dropped < 10:
+        if r["site"] == "site1" and r["label"] == "ACA" and r["keep"] == "True" and dropped < n:
             r["keep"] = "False"
             dropped += 1
     with families.open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=FAMILY_COLUMNS)
         w.writeheader()
         w.writerows(fams)
-    _, info = build_manifest(sources, families, cfg)
-    assert 0 < info["scale_factor"] < 1
+
+
+def test_too_small_corpus_stops_with_demand_against_available(tmp_path: Path):
+    sources, families, _ = write_corpus(tmp_path, "small")
+    _drop_site1_aca(families)
+    with pytest.raises(ManifestError) as err:
+        build_manifest(sources, families, load_config({}))
+    msg = str(err.value)
+    assert "sites ['site1'] for C1: need" in msg and "<-- short" in msg
+    assert "ACA" in msg and "clearance.family_policy: whole_families" in msg and "manifest.allow_scaling: true" in msg
+
+
+def test_scaling_only_when_allowed_and_recorded(tmp_path: Path, caplog):
+    sources, families, _ = write_corpus(tmp_path, "small")
+    _drop_site1_aca(families)
+    with caplog.at_level("WARNING", logger="fedhisto.manifest"):
+        _, info = build_manifest(sources, families, load_config({"manifest": {"allow_scaling": True}}))
+    assert 0 < info["scale_factor"] < 1 and info["scaled"] and info["allow_scaling"]
     assert info["targets"]["clients"]["C1"][0] <= 7
+    assert info["requested_targets"]["clients"]["C1"] == list(load_config({}).partition_targets().clients["C1"])
+    assert any(r["demand"] > r["available"] for r in info["shortfalls"])
+    assert "EVERY target is scaled" in caplog.text
+
+
+def write_family_corpus(tmp_path: Path, sizes: dict[str, list[int]], site: str = "lc25000") -> tuple[Path, Path]:
+    """sources.csv / families.csv of LC25000-like augmentation families (every member kept)."""
+    src, fam = [], []
+    for label, family_sizes in sizes.items():
+        for f, size in enumerate(family_sizes):
+            for m in range(size):
+                rel = f"{site}/{label}/f{f}_m{m}.jpeg"
+                src.append(SourceRow(path=f"/x/{rel}", relpath=rel, label=label, source="lc25000", site=site,
+                                     cohort="internal"))
+                fam.append({"relpath": rel, "path": f"/x/{rel}", "label": label, "site": site, "cohort": "internal",
+                            "sha256": f"sha-{rel}", "family": f"fam-{label}-{f}", "family_size": size,
+                            "representative": m == 0, "keep": True})
+    write_sources_csv(tmp_path / "sources.csv", src)
+    with (tmp_path / "families.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FAMILY_COLUMNS)
+        w.writeheader()
+        w.writerows(fam)
+    return tmp_path / "sources.csv", tmp_path / "families.csv"
+
+
+def test_whole_families_hit_exact_counts_by_leaving_family_rests_unused(tmp_path: Path):
+    # 40 families of 19-21 per class; counts that no combination of whole families can meet
+    sizes = {c: [19 + (f % 3) for f in range(40)] for c in ("ACA", "Normal", "SCC")}
+    sources, families = write_family_corpus(tmp_path, sizes)
+    targets = {"clients": {"C1": [95, 37, 61], "C2": [23, 95, 0], "C3": [41, 13, 77]},
+               "validation": [33, 31, 29], "test": [27, 35, 47]}
+    cfg = load_config({"cohort": {"mode": "real", "real": {"sources": [{"kind": "lc25000", "root": "/x"}]}},
+                       "clearance": {"family_policy": "whole_families"},
+                       "manifest": {"client_sites": {"C1": ["lc25000"], "C2": ["lc25000"], "C3": ["lc25000"]},
+                                    "targets": targets}})
+    rows, info = build_manifest(sources, families, cfg)
+    assert info["scale_factor"] == 1.0
+    comp = {(r["partition"], r["subset"]): [r["ACA"], r["Normal"], r["SCC"]] for r in composition(rows)}
+    for client, pool in targets["clients"].items():
+        assert comp[(client, "pool")] == pool
+        hold = [holdout_count(n, 0.1) for n in pool]
+        assert comp[(client, "holdout")] == hold
+    assert comp[("validation", "all")] == targets["validation"] and comp[("test", "all")] == targets["test"]
+    where: dict[str, set] = {}
+    for r in rows:
+        if r["split"] != "unused":
+            where.setdefault(r["family"], set()).add(boundary(r))
+    assert where and all(len(b) == 1 for b in where.values())  # no family spans two partitions
+
+
+def test_representatives_on_augmentation_families_name_the_ways_out(tmp_path: Path):
+    sources, families = write_family_corpus(tmp_path, {c: [20] * 6 for c in ("ACA", "Normal", "SCC")})
+    with families.open() as fh:
+        fams = list(csv.DictReader(fh))
+    for r in fams:
+        r["keep"] = r["representative"]  # what clearance keeps under family_policy: representatives
+    with families.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FAMILY_COLUMNS)
+        w.writeheader()
+        w.writerows(fams)
+    cfg = load_config({"cohort": {"mode": "real", "real": {"sources": [{"kind": "lc25000", "root": "/x"}]}},
+                       "manifest": {"client_sites": {"C1": ["lc25000"]},
+                                    "targets": {"clients": {"C1": [10, 10, 10]}, "validation": [5, 5, 5],
+                                                "test": [5, 5, 5]}}})
+    with pytest.raises(ManifestError) as err:
+        build_manifest(sources, families, cfg)
+    msg = str(err.value)
+    assert "ACA    sites ['lc25000'] for C1: need 10, available 6  <-- short" in msg
+    assert "sites ['all internal sites'] for clients, validation, test: need 20, available 6" in msg
+    assert "whole_families" in msg and "allow_scaling" in msg
 
 
 def test_whole_families_stay_in_one_partition(tmp_path: Path):
@@ -157,3 +243,14 @@ def test_whole_families_stay_in_one_partition(tmp_path: Path):
     assert multi and all(len(where[f]) == 1 for f in multi)
     audit = boundary_audit(rows, edges)
     assert audit["cross_boundary_family_edges"] == [] and audit["cross_boundary_exact_matches"] == []
+
+
+def test_a_stage_error_lands_in_the_rule_log(tmp_path: Path):
+    import subprocess
+    import sys
+
+    code = ("from fedhisto.entry import setup_logging; from fedhisto.manifest import ManifestError; "
+            f"setup_logging({str(tmp_path / 'x.log')!r}); raise ManifestError('need 15, available 6')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "ManifestError: need 15, available 6" in (tmp_path / "x.log").read_text()

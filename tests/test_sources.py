@@ -128,6 +128,45 @@ def test_csv_source_and_label_aliases(tmp_path: Path):
         collect_sources([SourceSpec(kind="csv", root=str(csv_path))])
 
 
+def test_csv_rows_outside_the_csv_folder_need_a_relpath_root(tmp_path: Path):
+    data = tmp_path / "elsewhere" / "lc"
+    write_image(data / "lung_aca" / "a.jpeg", fmt="JPEG")
+    write_image(data / "lung_n" / "b.jpeg", 1, fmt="JPEG")
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    csv_path = lists / "list.csv"
+    csv_path.write_text(f"path,label\n{data / 'lung_aca/a.jpeg'},ACA\n{data / 'lung_n/b.jpeg'},Normal\n")
+    with pytest.raises(SourceError) as err:  # never a pathlib traceback: the row and a way out are named
+        collect_sources([SourceSpec(kind="csv", root=str(csv_path), site="extra")])
+    msg = str(err.value)
+    assert f"{csv_path}:2: image {data / 'lung_aca/a.jpeg'} lies outside {lists}" in msg
+    assert "2 row(s) do" in msg and f"A relpath_root holding every row: {data}" in msg
+    rows, _ = collect_sources([SourceSpec(kind="csv", root=str(csv_path), site="extra", relpath_root=str(data))])
+    assert [(r.relpath, r.label) for r in rows] == [("extra/lung_aca/a.jpeg", "ACA"), ("extra/lung_n/b.jpeg", "Normal")]
+    assert rows[0].path == str((data / "lung_aca/a.jpeg").resolve())
+    csv_path.write_text("path,label\n../elsewhere/lc/lung_aca/a.jpeg,ACA\n")  # relative, but outside too
+    with pytest.raises(SourceError, match=r"list.csv:2: image .*a.jpeg lies outside"):
+        collect_sources([SourceSpec(kind="csv", root=str(csv_path))])
+    with pytest.raises(SourceError, match=r"relpath_root is not a folder: .*nowhere"):
+        collect_sources([SourceSpec(kind="csv", root=str(csv_path), relpath_root=str(tmp_path / "nowhere"))])
+
+
+def test_csv_row_symlinked_elsewhere_keeps_its_listed_relpath(tmp_path: Path):
+    target = write_image(tmp_path / "store" / "x.png")
+    (tmp_path / "list" / "img").mkdir(parents=True)
+    (tmp_path / "list" / "img" / "a.png").symlink_to(target)
+    (tmp_path / "list" / "l.csv").write_text("path,label\nimg/a.png,SCC\n")
+    rows, _ = collect_sources([SourceSpec(kind="csv", root=str(tmp_path / "list" / "l.csv"), site="s")])
+    assert rows[0].relpath == "s/img/a.png" and rows[0].path == str(target.resolve())
+
+
+def test_relpath_root_only_for_csv():
+    from fedhisto.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="relpath_root applies only to kind csv"):
+        load_config({"cohort": {"real": {"sources": [{"kind": "lc25000", "root": "/x", "relpath_root": "/"}]}}})
+
+
 def test_duplicate_portable_paths_are_refused(tmp_path: Path):
     root = lc25000_fixture(tmp_path / "lc")
     spec = SourceSpec(kind="lc25000", root=str(root))

@@ -128,7 +128,8 @@ def test_metrics_and_named_bootstrap(workdir: Path, repo: Path, snakemake_bin: s
 
 
 def test_tables_figures_and_html_report(workdir: Path, repo: Path, snakemake_bin: str):
-    for name in ("table4_internal", "table5_external", "table6_bootstrap", "table7_ablation", "table8_communication"):
+    for name in ("table2_partitions", "table4_internal", "table5_external", "table6_bootstrap", "table7_ablation",
+                 "table8_communication"):
         assert (workdir / f"results/tables/{name}.csv").exists() and (workdir / f"results/tables/{name}.md").exists()
     assert (workdir / "results/tables/table4_internal.csv.prov.json").exists()
     assert (workdir / "results/metrics/summary.csv.prov.json").exists()

@@ -64,6 +64,15 @@ class SourceSpec(Strict):
     unmapped: Literal["exclude", "error"] = Field(
         "exclude", description="WSSS4LUAD tiles whose label vector maps to no class: record and exclude, or stop"
     )
+    relpath_root: str | None = Field(
+        None, description="kind csv only: folder the portable relpath of every row is taken from (default: the "
+                          "CSV's own folder); set it when rows give paths outside that folder, e.g. absolute ones")
+
+    @model_validator(mode="after")
+    def _relpath_root_only_for_csv(self) -> SourceSpec:
+        if self.relpath_root is not None and self.kind != "csv":
+            raise ValueError(f"relpath_root applies only to kind csv (this source is kind {self.kind!r})")
+        return self
 
 
 class RealCohort(Strict):
@@ -115,6 +124,9 @@ class ManifestConfig(Strict):
         description="source sites each client's pool is drawn from (synthetic: site k feeds Ck)")
     targets: PartitionTargets | None = Field(
         None, description="partition counts; omit with the synthetic cohort to take its profile's")
+    allow_scaling: bool = Field(
+        False, description="when the kept images cannot fill the targets, scale every target by one common factor "
+                           "(logged, recorded in manifest.json and beside the study's Table 2) instead of stopping")
 
     @model_validator(mode="after")
     def _fractions_valid(self) -> ManifestConfig:

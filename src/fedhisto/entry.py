@@ -18,6 +18,14 @@ def setup_logging(log_path: str | None = None) -> None:
         handlers.append(logging.FileHandler(log_path, mode="w"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=handlers, force=True)
+    sys.excepthook = _log_uncaught  # a stage's error lands in its rule's log, where Snakemake points the user
+
+
+def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, exc, tb)
+        return
+    logging.getLogger("fedhisto").error("stage failed: %s: %s", kind.__name__, exc, exc_info=(kind, exc, tb))
 
 
 def from_snakemake(smk: Any) -> Config:

@@ -1,20 +1,30 @@
 """Stage ``manifest``: canonical manifest, five non-IID clients, fixed validation and test (study 3.2).
 
 1. Keep the images clearance keeps (family representatives, or whole families).
-2. Client pools: client k draws, per class, its target count from its configured sites,
-   in a seeded deterministic order. When the corpus is too small every target is scaled by
-   the same factor (recorded), so the composition keeps its shape.
-3. Global validation, then global test, per class from the internal images left over.
-4. Holdouts per client and available class: ``round(frac * n)`` (Python's half-to-even),
+2. Check the targets fit (per class and site group). When they do not, stop with the demand
+   against what is available and the two ways out (``clearance.family_policy: whole_families``
+   or ``manifest.allow_scaling: true``); only when scaling is allowed is every target scaled by
+   one common factor, with a warning, ``scale_factor`` in manifest.json and Table 2 as built
+   beside the study's in the report (``fedhisto.targets``).
+3. Client pools: client k draws, per class, its target count from its configured sites, in a
+   seeded deterministic order.
+4. Global validation, then global test, per class from the internal images left over.
+5. Holdouts per client and available class: ``round(frac * n)`` (Python's half-to-even),
    keeping at least one optimisation image when n >= 2, seeded shuffle with the split seed.
-5. Boundary audit: no SHA-256 match and no confirmed family edge may join two different
+6. Boundary audit: no SHA-256 match and no confirmed family edge may join two different
    protected partitions (client optimisation sets and holdouts, validation, test, external).
+
+Families (``whole_families``) are drawn whole while they fit. To hit a count exactly a
+partition may take part of one family; the rest of that family is then left unused, never
+placed in another partition, so a family never spans two partitions. With
+``representatives`` every unit is one image and none of this arises.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import logging
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -25,6 +35,17 @@ from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config, PartitionTargets
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.sources import read_sources_csv
+from fedhisto.targets import (
+    demand_rows,
+    fit_factor,
+    scale,
+    scaling_warning,
+    shortfall_lines,
+    shortfall_message,
+    ways_out,
+)
+
+log = logging.getLogger(__name__)
 
 STAGE = "manifest"
 MANIFEST_COLUMNS = ("sample_id", "relpath", "path", "label", "source", "site", "cohort", "differentiation",
@@ -55,27 +76,9 @@ def _order(ids: list[str], seed: int, *stream: int) -> list[str]:
 
 def scale_targets(targets: PartitionTargets, available: dict[str, Counter], client_sites: dict[str, list[str]],
                   internal: Counter) -> tuple[PartitionTargets, float]:
-    """Largest common factor <= 1 under which every draw fits the corpus."""
-    factor = 1.0
-    for c, cls in enumerate(CLASSES):
-        demand_by_sites: dict[tuple[str, ...], int] = defaultdict(int)
-        for client, pool in targets.clients.items():
-            demand_by_sites[tuple(sorted(client_sites.get(client, [])))] += pool[c]
-        for sites, demand in demand_by_sites.items():
-            have = sum(available[s][cls] for s in sites) if sites else internal[cls]
-            if demand:
-                factor = min(factor, have / demand)
-        total = sum(p[c] for p in targets.clients.values()) + targets.validation[c] + targets.test[c]
-        if total:
-            factor = min(factor, internal[cls] / total)
-    if factor >= 1.0:
-        return targets, 1.0
-
-    def sc(counts) -> tuple[int, int, int]:
-        return tuple(int(np.floor(n * factor)) for n in counts)  # type: ignore[return-value]
-
-    return PartitionTargets(clients={k: sc(v) for k, v in targets.clients.items()},
-                            validation=sc(targets.validation), test=sc(targets.test)), factor
+    """Largest common factor <= 1 under which every draw fits the corpus, and the scaled targets."""
+    factor = fit_factor(demand_rows(targets, available, client_sites, internal))
+    return (targets, 1.0) if factor >= 1.0 else (scale(targets, factor), factor)
 
 
 def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Config) -> tuple[list[dict], dict]:
@@ -95,7 +98,15 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
     for i in internal_ids:
         available[by_id[i]["site"]][by_id[i]["label"]] += 1
     internal = Counter(by_id[i]["label"] for i in internal_ids)
-    targets, factor = scale_targets(cfg.partition_targets(), available, cfg.manifest.client_sites, internal)
+    requested, policy = cfg.partition_targets(), cfg.clearance.family_policy
+    demand = demand_rows(requested, available, cfg.manifest.client_sites, internal)
+    factor = fit_factor(demand)
+    targets = requested
+    if factor < 1.0:
+        if not cfg.manifest.allow_scaling:
+            raise ManifestError(shortfall_message(demand, policy))
+        log.warning(scaling_warning(factor, demand))
+        targets = scale(requested, factor)
     seed = cfg.manifest.split_seed
     # Units are what must stay together: a whole family (family_policy whole_families) or one image.
     members: dict[str, list[str]] = defaultdict(list)
@@ -103,47 +114,87 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
         members[by_id[i]["family"]].append(i)
     unit_of = {i: sorted(members[by_id[i]["family"]]) for i in internal_ids}
     assignment: dict[str, tuple[str, str, str]] = {}  # id -> (partition, client, split)
+    unused = ("unused", "", "unused")
 
-    def take(candidates: list[str], count: int, units: dict[str, list[str]]) -> list[str]:
-        """Greedy fill in the given order, a unit only when all of it fits and none of it is placed."""
+    def take(candidates: list[str], count: int, units: dict[str, list[str]],
+             blocked: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+        """Exactly ``count`` images in the given order, families kept out of every other partition.
+
+        First whole units that fit and of which nothing is placed, in order (the only pass that
+        matters when units are single images); then, while short, part of the untouched unit that
+        wastes least, whose rest is marked unused here so that no other partition can take it.
+        """
         chosen: list[str] = []
         placed: set[str] = set()
+
+        def untouched(unit: list[str]) -> bool:
+            return not any(u in assignment or u in placed or u in blocked for u in unit)
+
         for i in candidates:
             if len(chosen) == count:
                 break
             unit = units.get(i, [i])
-            if i in placed or any(u in assignment or u in placed for u in unit) or len(chosen) + len(unit) > count:
-                continue
-            chosen += unit
+            if untouched(unit) and len(chosen) + len(unit) <= count:
+                chosen += unit
+                placed.update(unit)
+        in_order = {i: n for n, i in enumerate(candidates)}
+        while len(chosen) < count:
+            need = count - len(chosen)
+            parts = {tuple(units.get(i, [i])): i for i in reversed(candidates) if untouched(units.get(i, [i]))}
+            if not parts:
+                break
+            # best fit: the smallest unit that covers what is missing (else the largest), then the given order
+            unit = list(min(parts, key=lambda u: (len(u) < need, len(u) if len(u) >= need else -len(u),
+                                                  in_order[parts[u]])))
+            part = sorted((u for u in unit if u in in_order), key=in_order.__getitem__)[:need]
+            chosen += part
             placed.update(unit)
+            for u in unit:
+                if u not in part:
+                    assignment[u] = unused
         return chosen
+
+    def short(what: str, need: int, got: int, sites: str) -> ManifestError:
+        return ManifestError(
+            f"{what} needs {need} images from sites {sites}, only {got} left (a family never spans two partitions: "
+            "the rest of a family a partition takes part of stays unused). Demand against what clearance kept:\n"
+            + "\n".join(shortfall_lines(demand)) + "\n" + ways_out(policy, scaling=False))
 
     for k, (client, pool) in enumerate(sorted(targets.clients.items())):
         sites = set(cfg.manifest.client_sites.get(client, []))
         for c, cls in enumerate(CLASSES):
-            free = [i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls
-                    and (not sites or by_id[i]["site"] in sites)]
-            chosen = take(_order(free, seed, 1, k, c), pool[c], unit_of)
+            free = _order([i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls
+                           and (not sites or by_id[i]["site"] in sites)], seed, 1, k, c)
+            chosen = take(free, pool[c], unit_of)
             if len(chosen) < pool[c]:
-                raise ManifestError(f"client {client} needs {pool[c]} {cls} images from sites {sorted(sites)}, "
-                                    f"only {len(chosen)} left")
+                raise short(f"client {client} {cls}", pool[c], len(chosen), str(sorted(sites)))
             n_hold = holdout_count(len(chosen), cfg.manifest.holdout_fraction[client])
-            in_pool = set(chosen)  # holdouts are drawn in whole units of this pool too
+            in_pool = set(chosen)  # holdouts are drawn in units of this pool too
             holdout = set(take(_order(chosen, seed, 2, k, c), n_hold,
                                {i: [u for u in unit_of[i] if u in in_pool] for i in chosen}))
-            for i in chosen:
-                assignment[i] = (client, client, "holdout" if i in holdout else "optimisation")
+            optimisation = [i for i in chosen if i not in holdout and i not in assignment]
+            missing = len(chosen) - len(holdout) - len(optimisation)  # rest of a family split by the holdout
+            if missing:  # refill the optimisation set from untouched families, in the pool's order
+                extra = take(free, missing, unit_of, blocked=in_pool)
+                if len(extra) < missing:
+                    raise short(f"client {client} {cls} (optimisation refill)", missing, len(extra),
+                                str(sorted(sites)))
+                optimisation += extra
+            for i in holdout:
+                assignment[i] = (client, client, "holdout")
+            for i in optimisation:
+                assignment[i] = (client, client, "optimisation")
     for c, cls in enumerate(CLASSES):
         free = _order([i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls], seed, 3, c)
-        need = targets.validation[c] + targets.test[c]
-        if len(free) < need:
-            raise ManifestError(f"validation+test need {need} {cls} images, only {len(free)} left")
         for split, count in (("validation", targets.validation[c]), ("test", targets.test[c])):
-            for i in take([i for i in free if i not in assignment], count, unit_of):
+            chosen = take([i for i in free if i not in assignment], count, unit_of)
+            if len(chosen) < count:
+                raise short(f"{split} {cls}", count, len(chosen), "(any internal)")
+            for i in chosen:
                 assignment[i] = (split, "", split)
         for i in free:
             if i not in assignment:
-                assignment[i] = ("unused", "", "unused")
+                assignment[i] = unused
     for i, r in by_id.items():
         if r["cohort"] == "external":
             assignment[i] = ("external", "", "external")
@@ -156,7 +207,12 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
                      "source": m.source, "site": r["site"], "cohort": r["cohort"],
                      "differentiation": m.differentiation, "magnification": m.magnification, "sha256": r["sha256"],
                      "family": r["family"], "partition": partition, "client": client, "split": split})
-    return rows, {"scale_factor": factor, "targets": targets.model_dump(mode="json")}
+    info = {"scale_factor": factor, "allow_scaling": cfg.manifest.allow_scaling, "scaled": factor < 1.0,
+            "family_policy": policy, "requested_targets": requested.model_dump(mode="json"),
+            "targets": targets.model_dump(mode="json")}
+    if factor < 1.0:
+        info["shortfalls"] = demand
+    return rows, info
 
 
 def boundary(row: dict) -> str:

@@ -22,6 +22,7 @@ from fedhisto import CLASSES
 from fedhisto.atomic import write_csv, write_text, write_with
 from fedhisto.bootstrap import ensemble
 from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.targets import write_table2
 
 STAGE = "report"
 
@@ -45,9 +46,12 @@ def _save(fig, path: Path) -> None:
 
 
 def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], communication_csv: str | Path,
-               external_predictions: dict[str, list[str]], tables_dir: str | Path, figures_dir: str | Path) -> None:
+               external_predictions: dict[str, list[str]], tables_dir: str | Path, figures_dir: str | Path,
+               manifest_dir: str | Path | None = None) -> None:
     m = json.loads(Path(metrics_json).read_text())
     tables, figures = Path(tables_dir), Path(figures_dir)
+    if manifest_dir is not None:  # Table 2 as built beside the study's, with the scaling line (fedhisto.targets)
+        write_table2(Path(manifest_dir) / "composition.csv", Path(manifest_dir) / "manifest.json", tables)
     methods = list(m["ensembles"])
     t4 = []
     for row in m["summary"]:

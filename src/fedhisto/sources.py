@@ -22,6 +22,7 @@ the config says so, and every exclusion is returned with its reason.
 from __future__ import annotations
 
 import csv
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -186,27 +187,47 @@ def parse_label(value: str, where: str) -> str:
     return label
 
 
+def _lexical(path: Path) -> Path:
+    """Absolute, ``..`` collapsed, symlinks NOT followed (a linked image keeps the path it is listed under)."""
+    return Path(os.path.normpath(os.path.abspath(path)))
+
+
 def read_csv_source(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]]:
-    """Generic CSV with columns ``path,label`` (optional ``differentiation,magnification``); paths relative to the CSV."""
+    """Generic CSV with columns ``path,label`` (optional ``differentiation,magnification``).
+
+    Relative paths are relative to the CSV; absolute paths are taken as they are. The portable
+    ``relpath`` of a row is its path relative to ``relpath_root`` (default: the CSV's folder); a
+    row outside that folder is an error naming the row and a ``relpath_root`` that would hold all.
+    """
     csv_path = Path(spec.root)
     if not csv_path.is_file():
         raise SourceError(f"CSV source: file not found: {csv_path}")
+    base = _lexical(Path(spec.relpath_root) if spec.relpath_root else csv_path.parent)
+    if spec.relpath_root and not base.is_dir():
+        raise SourceError(f"CSV source {csv_path}: relpath_root is not a folder: {spec.relpath_root}")
     with csv_path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         missing = {"path", "label"} - set(reader.fieldnames or ())
         if missing:
             raise SourceError(f"CSV source {csv_path}: missing column(s) {sorted(missing)}")
-        rows = []
-        for line, rec in enumerate(reader, start=2):
-            where = f"{csv_path}:{line}"
-            p = (csv_path.parent / rec["path"]).resolve()
-            if not p.is_file():
-                raise SourceError(f"{where}: image not found: {p}")
-            rows.append(_row(spec, csv_path.parent.resolve(), p, parse_label(rec["label"], where),
-                             differentiation=(rec.get("differentiation") or "").strip(),
-                             magnification=(rec.get("magnification") or "").strip()))
-    if not rows:
+        listed = [(line, rec, _lexical(csv_path.parent / rec["path"])) for line, rec in enumerate(reader, start=2)]
+    if not listed:
         raise SourceError(f"CSV source {csv_path}: no rows")
+    outside = [(line, p) for line, _, p in listed if not p.is_relative_to(base)]
+    if outside:
+        line, p = outside[0]
+        common = os.path.commonpath([str(q.parent) for _, _, q in listed])
+        how = "relpath_root" if spec.relpath_root else "the CSV's folder (set relpath_root on this source)"
+        raise SourceError(f"{csv_path}:{line}: image {p} lies outside {base}, the folder portable relpaths are taken "
+                          f"from ({how}); {len(outside)} row(s) do. A relpath_root holding every row: {common}")
+    rows = []
+    for line, rec, p in listed:
+        where = f"{csv_path}:{line}"
+        if not p.is_file():
+            raise SourceError(f"{where}: image not found: {p}")
+        rows.append(_row(spec, base, p, parse_label(rec["label"], where),
+                         differentiation=(rec.get("differentiation") or "").strip(),
+                         magnification=(rec.get("magnification") or "").strip()))
     return rows, []
 
 
