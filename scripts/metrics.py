@@ -12,7 +12,7 @@ from fedhisto.metrics import run_metrics
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
-    runs = [(m, int(s), f) for m, s, f in smk.params.runs]
+    runs = [(m, int(s), f, t) for m, s, f, t in smk.params.runs]
     run_metrics(runs, from_snakemake(smk), Path(smk.output.summary).parent)
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
@@ -20,6 +20,7 @@ elif __name__ == "__main__":
     args = parser.parse_args()
     setup_logging()
     cfg = load_config_file(args.config)
-    runs = [(m, s, f"results/predictions/{m}/seed{s}") for m in cfg.train.methods for s in cfg.train.seeds]
-    runs += [(m, s, f"results/predictions/{m}/seed{s}") for m in cfg.train.ablations for s in cfg.train.ablation_seeds]
+    pairs = [(m, s) for m in cfg.train.methods for s in cfg.train.seeds]
+    pairs += [(m, s) for m in cfg.train.ablations for s in cfg.train.ablation_seeds]
+    runs = [(m, s, f"results/predictions/{m}/seed{s}", f"results/train/{m}/seed{s}") for m, s in pairs]
     run_metrics(runs, cfg, "results/metrics")

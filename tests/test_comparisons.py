@@ -86,6 +86,7 @@ def test_ablation_bootstrap_compares_matched_ensembles_and_records_seeds(predict
     doc = _run(cfg, "v2_vs_no_js")
     assert doc["ablation"] is True and doc["n_resamples"] == 200
     assert doc["ensemble"] == {"method_seeds": [11, 33, 55], "reference_seeds": [11, 33, 55],
+                               "method_models": ["global"], "reference_models": ["global"],
                                "method_checkpoints": 3, "reference_checkpoints": 3}
     m = doc["metrics"]["macro_f1"]
     no_js = f1_score(Y, NO_JS, average="macro")               # every class present: the plain definition

@@ -178,3 +178,31 @@ def test_ensemble_aligns_by_id_and_refuses_misalignment(tmp_path):
     _write_pred(tmp_path / "d.csv", ["x", "y"], [2, 1], [[1, 0, 0], [0, 1, 0]])
     with pytest.raises(AlignmentError, match="labels disagree"):
         ensemble([tmp_path / "a.csv", tmp_path / "d.csv"])
+
+
+def test_a_multi_model_method_is_scored_as_its_mean_model(tmp_path):
+    """local_only writes one row per image and client model; metrics and the bootstrap average the models."""
+    import numpy as np
+
+    from fedhisto.bootstrap import paired_bootstrap
+    from fedhisto.evaluation import classification_metrics, mean_over_models
+    from fedhisto.predictions import ensemble_members, write_predictions
+
+    y = np.array([0, 1, 2, 0, 1, 2])
+    good = np.eye(3)[y] * 0.8 + 0.2 / 3
+    bad = np.eye(3)[(y + 1) % 3] * 0.8 + 0.2 / 3
+    rows = [{"sample_id": f"{i:02d}", "label": ["ACA", "Normal", "SCC"][c], **{f"p_{k}": f"{v:.8f}" for k, v in
+            zip(["ACA", "Normal", "SCC"], probs[i], strict=True)}, "pred": "", "cohort": "external", "client": "",
+            "differentiation": "", "magnification": "", "run_status": "finalised", "model": model}
+            for model, probs in (("C1", good), ("C2", bad)) for i, c in enumerate(y)]
+    write_predictions(tmp_path / "external.csv", rows)
+    members = ensemble_members([tmp_path / "external.csv"])
+    assert sorted(members) == ["C1", "C2"]
+    m = mean_over_models([classification_metrics(p, yy) for _, yy, p in members.values()])
+    assert m["macro_f1"] == pytest.approx(0.5) and m["accuracy"] == pytest.approx(0.5) and m["models"] == 2
+    assert m["per_class"]["ACA"]["recall"] == pytest.approx(0.5)
+    result = paired_bootstrap(y, good.argmax(1), [good.argmax(1), bad.argmax(1)], 200, 1)
+    assert result["macro_f1"]["reference"] == pytest.approx(0.5) and result["macro_f1"]["difference"] == pytest.approx(0.5)
+    single = [r for r in rows if r["model"] == "C1"]
+    write_predictions(tmp_path / "single.csv", single)
+    assert "model" not in (tmp_path / "single.csv").read_text().splitlines()[0]  # one model: the plain format

@@ -13,47 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from conftest import TINY, train
 
-from fedhisto.cohort import run_cohort
-from fedhisto.config import CohortConfig, PlantedFamilies, SyntheticCohort, load_config
-from fedhisto.manifest import run_manifest
-from fedhisto.stain import run_stain
+from fedhisto.config import load_config
 from fedhisto.train.loop import ResumeRefused, load_checkpoint
-from fedhisto.train.stage import run_train
-
-TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
-        "views": {"crop_size": 48}, "train": {"max_rounds": 4, "patience": 10, "lr": 1e-3}}
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> dict:
-    """A rendered small cohort, a manifest of its originals, and stain descriptors."""
-    root = tmp_path_factory.mktemp("train")
-    cohort = CohortConfig(synthetic=SyntheticCohort(planted=PlantedFamilies(families_per_site=0)))
-    run_cohort(cohort, root / "cohort", threads=2)
-    from fedhisto.clearance.stage import FAMILY_COLUMNS
-    from fedhisto.sources import read_sources_csv
-
-    rows = read_sources_csv(root / "cohort/sources.csv")
-    with (root / "families.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FAMILY_COLUMNS)
-        w.writeheader()
-        for k, r in enumerate(rows):  # no planted copies: every image is its own family
-            w.writerow({"relpath": r.relpath, "path": r.path, "label": r.label, "site": r.site, "cohort": r.cohort,
-                        "sha256": f"s{k}", "family": f"f{k}", "family_size": 1, "representative": True, "keep": True})
-    (root / "edges.csv").write_text("a,b,stage,score,threshold,decision\n")
-    cfg = load_config(TINY)
-    run_manifest(root / "cohort/sources.csv", root / "families.csv", root / "edges.csv", cfg, root / "manifest")
-    run_stain(root / "manifest/manifest.csv", cfg, root / "stain")
-    (root / "config.yaml").write_text(yaml.safe_dump(TINY))
-    return {"root": root, "cfg": cfg, "manifest": root / "manifest/manifest.csv",
-            "identity": root / "manifest/manifest.json", "descriptors": root / "stain/descriptors.json"}
-
-
-def train(prepared: dict, method: str, out: Path, cfg=None, **hooks) -> dict:
-    return run_train(method, 11, prepared["manifest"], prepared["identity"], prepared["descriptors"],
-                     cfg or prepared["cfg"], out, **hooks)
 
 
 def final_state(out: Path) -> dict[str, torch.Tensor]:

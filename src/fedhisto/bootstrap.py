@@ -22,7 +22,6 @@ lists and the ``ablation`` flag, which the report uses to split Tables 6 and 7.
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
@@ -31,41 +30,11 @@ from fedhisto import CLASSES
 from fedhisto.atomic import write_json
 from fedhisto.config import BootstrapConfig, Config
 from fedhisto.evaluation import class_scores, macro_f1_from_confusion, mean_over_present
+from fedhisto.predictions import AlignmentError, ensemble, ensemble_members  # noqa: F401 - re-exported
 from fedhisto.provenance import provenance_block
 
 STAGE = "bootstrap"
 N = len(CLASSES)
-
-
-class AlignmentError(ValueError):
-    pass
-
-
-def read_predictions(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
-    with Path(path).open() as fh:
-        rows = list(csv.DictReader(fh))
-    ids = [r["sample_id"] for r in rows]
-    labels = np.array([CLASSES.index(r["label"]) for r in rows])
-    probs = np.array([[float(r[f"p_{c}"]) for c in CLASSES] for r in rows])
-    return ids, labels, probs
-
-
-def ensemble(paths: list[str | Path]) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """Image-wise mean of the checkpoints' probabilities; every file must list the same images."""
-    if not paths:
-        raise AlignmentError("an ensemble needs at least one prediction file")
-    ids0, y0, _ = read_predictions(paths[0])
-    order0 = np.argsort(ids0)
-    total = np.zeros((len(ids0), N))
-    for p in paths:
-        ids, y, probs = read_predictions(p)
-        if sorted(ids) != sorted(ids0):
-            raise AlignmentError(f"{p}: its images differ from {paths[0]} ({len(set(ids) ^ set(ids0))} ids differ)")
-        order = np.argsort(ids)
-        if not np.array_equal(y[order], y0[order0]):
-            raise AlignmentError(f"{p}: labels disagree with {paths[0]} for the same sample ids")
-        total += probs[order]
-    return [ids0[i] for i in order0], y0[order0], total / len(paths)
 
 
 def confusion_counts(y: np.ndarray, pred: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -85,13 +54,22 @@ def metrics_from_confusion(cm: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def paired_bootstrap(y: np.ndarray, pred_a: np.ndarray, pred_b: np.ndarray, resamples: int, seed: int,
-                     confidence: float = 0.95, chunk: int = 2000) -> dict:
+def member_mean_metrics(y: np.ndarray, preds: list[np.ndarray], weights: np.ndarray) -> dict[str, np.ndarray]:
+    """Metrics of each model's predictions, averaged over the models (one model: its metrics). A
+    method that keeps one model per client (``local_only``) is scored as its mean client model."""
+    per = [metrics_from_confusion(confusion_counts(y, p, weights)) for p in preds]
+    return {k: np.mean([m[k] for m in per], axis=0) for k in per[0]}
+
+
+def paired_bootstrap(y: np.ndarray, pred_a: np.ndarray | list[np.ndarray], pred_b: np.ndarray | list[np.ndarray],
+                     resamples: int, seed: int, confidence: float = 0.95, chunk: int = 2000) -> dict:
+    """``pred_a`` / ``pred_b``: predicted labels, or a list of them (one per model, averaged metrics)."""
     n = len(y)
+    pred_a, pred_b = ([p] if isinstance(p, np.ndarray) else list(p) for p in (pred_a, pred_b))
     rng = np.random.default_rng(seed)
     full = np.ones((1, n))
-    point_a = metrics_from_confusion(confusion_counts(y, pred_a, full))
-    point_b = metrics_from_confusion(confusion_counts(y, pred_b, full))
+    point_a = member_mean_metrics(y, pred_a, full)
+    point_b = member_mean_metrics(y, pred_b, full)
     deltas: dict[str, list] = {k: [] for k in point_a}
     done = 0
     while done < resamples:
@@ -99,8 +77,8 @@ def paired_bootstrap(y: np.ndarray, pred_a: np.ndarray, pred_b: np.ndarray, resa
         idx = rng.integers(0, n, size=(b, n))          # the same indices serve both methods
         weights = np.zeros((b, n))
         np.add.at(weights, (np.repeat(np.arange(b), n), idx.ravel()), 1.0)
-        ma = metrics_from_confusion(confusion_counts(y, pred_a, weights))
-        mb = metrics_from_confusion(confusion_counts(y, pred_b, weights))
+        ma = member_mean_metrics(y, pred_a, weights)
+        mb = member_mean_metrics(y, pred_b, weights)
         for k in deltas:
             deltas[k].append(ma[k] - mb[k])
         done += b
@@ -145,15 +123,18 @@ def run_bootstrap(name: str, method_files: list[str], reference_files: list[str]
     for role, files, sds in (("method", method_files, method_seeds), ("reference", reference_files, reference_seeds)):
         if len(files) != len(sds):
             raise ValueError(f"{name}: {len(files)} {role} prediction files for {len(sds)} seeds {sds}")
-    ids_a, y_a, p_a = ensemble(method_files)
-    ids_b, y_b, p_b = ensemble(reference_files)
-    if ids_a != ids_b or not np.array_equal(y_a, y_b):
-        raise AlignmentError(f"{name}: the two methods' ensembles cover different images")
+    ens_a, ens_b = ensemble_members(method_files), ensemble_members(reference_files)
+    ids_a, y_a, _ = next(iter(ens_a.values()))
+    for ids, y, _ in [*ens_a.values(), *ens_b.values()]:
+        if ids != ids_a or not np.array_equal(y, y_a):
+            raise AlignmentError(f"{name}: the two methods' ensembles cover different images")
     resamples = cfg.ablation_resamples if comp.ablation else cfg.resamples
-    metrics = paired_bootstrap(y_a, p_a.argmax(1), p_b.argmax(1), resamples, cfg.seed, cfg.confidence)
+    metrics = paired_bootstrap(y_a, [p.argmax(1) for _, _, p in ens_a.values()],
+                               [p.argmax(1) for _, _, p in ens_b.values()], resamples, cfg.seed, cfg.confidence)
     doc = {"comparison": name, "method": comp.method, "reference": comp.reference, "ablation": comp.ablation,
            "cohort": "external",
            "ensemble": {"method_seeds": method_seeds, "reference_seeds": reference_seeds,
+                        "method_models": sorted(ens_a), "reference_models": sorted(ens_b),
                         "method_checkpoints": len(method_files), "reference_checkpoints": len(reference_files)},
            "n_images": len(y_a), "n_resamples": resamples, "seed": cfg.seed, "confidence": cfg.confidence,
            "metrics": metrics,

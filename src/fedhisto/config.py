@@ -242,6 +242,12 @@ class FedStainConfig(Strict):
     randstain: bool = True
     augmix: bool = True
     mixstyle: bool = True
+    protocol: Literal["study", "paper"] = Field(
+        "study", description="study: the study's optimiser/lr/epochs/batch; paper: FedStain's own (paper_* keys)")
+    paper_lr: float = Field(1e-4, gt=0)
+    paper_lr_end: float = Field(2.5e-6, gt=0)
+    paper_local_epochs: int = Field(3, ge=1)
+    paper_batch: int = Field(32, ge=2)
 
 
 class TrainConfig(Strict):

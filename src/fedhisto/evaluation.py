@@ -132,3 +132,23 @@ def classification_metrics(probs: np.ndarray, y: np.ndarray, ece_bins: int = 15)
         "confusion": cm.tolist(),
         "absent_classes": [n for n, p in zip(CLASSES, present, strict=True) if not p],
     }
+
+
+def mean_over_models(per_model: list[dict]) -> dict:
+    """The metrics of a method that keeps one model per client (``local_only``): every scalar and
+    per-class score is the mean over the models (each scored on the same images), the confusion
+    matrix their sum; one model returns its own metrics unchanged."""
+    if len(per_model) == 1:
+        return per_model[0]
+    first = per_model[0]
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return float(np.mean(values)) if values else None
+
+    out = {k: mean([m[k] for m in per_model]) for k in first if isinstance(first[k], float) or first[k] is None}
+    out["per_class"] = {c: {**first["per_class"][c], **{k: mean([m["per_class"][c][k] for m in per_model])
+                                                         for k in ("precision", "recall", "f1")}} for c in CLASSES}
+    out.update(n=first["n"], absent_classes=first["absent_classes"], models=len(per_model),
+               confusion=np.sum([m["confusion"] for m in per_model], axis=0).tolist())
+    return out

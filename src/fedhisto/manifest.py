@@ -35,6 +35,7 @@ from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config, PartitionTargets
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.sources import read_sources_csv
+from fedhisto.stages import stage_block
 from fedhisto.targets import (
     demand_rows,
     fit_factor,
@@ -270,9 +271,7 @@ def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: s
                             f"{audit['cross_boundary_family_edges'][:5]}, {len(audit['cross_boundary_exact_matches'])} "
                             "exact match(es)")
     out = Path(out_dir)
-    block = {"manifest": cfg.manifest.model_dump(mode="json"), "targets": cfg.partition_targets().model_dump(mode="json"),
-             "family_policy": cfg.clearance.family_policy}
-    prov = provenance_block(STAGE, block, {"sources": sources_csv, "families": families_csv, "edges": edges_csv})
+    prov = provenance_block(STAGE, stage_block(cfg, STAGE), {"sources": sources_csv, "families": families_csv, "edges": edges_csv})
     comp = composition(rows)
     write_csv(out / "manifest.csv", rows, MANIFEST_COLUMNS)
     write_csv(out / "composition.csv", comp, ["partition", "subset", *CLASSES, "total"])

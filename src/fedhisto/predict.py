@@ -1,8 +1,8 @@
 """Stage ``predict``: each validation-selected checkpoint once on global test, client holdouts
 (with that client's stain descriptor) and the external cohort (centroid descriptor).
 
-``results/predictions/{method}/seed{seed}/{test,holdout,external}.csv``: one row per image with
-stable sample id, true label, the three class probabilities, predicted label and metadata.
+``results/predictions/{method}/seed{seed}/{test,holdout,external}.csv`` in the format of
+:mod:`fedhisto.predictions` (one row per image and model).
 A checkpoint whose dataset identity differs from the manifest's is refused; a run that failed
 validation of its report still predicts when its checkpoint tensors are usable (the study's
 FedProx seed 44 case), and says so in ``status``.
@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_csv
 from fedhisto.config import Config
 from fedhisto.methods import build_method
 from fedhisto.model.build import build_model, pick_device
-from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.predictions import MEMBER_COLUMN, write_predictions
+from fedhisto.provenance import provenance_block, runtime_block, write_sidecar
 from fedhisto.stages import stage_block
 from fedhisto.train.data import load_partitions
 from fedhisto.train.inference import predict
@@ -29,9 +29,6 @@ from fedhisto.train.stage import descriptors_for
 
 STAGE = "predict"
 COHORTS = ("test", "holdout", "external")
-COLUMNS = ("sample_id", "label", *(f"p_{c}" for c in CLASSES), "pred", "cohort", "client", "differentiation",
-           "magnification", "run_status")
-MEMBER_COLUMN = "model"  # only for methods that keep one model per client (local_only)
 
 
 class PredictionRefused(RuntimeError):
@@ -74,6 +71,7 @@ def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str
     prov = provenance_block(STAGE, stage_block(cfg, STAGE, method=method, seed=seed),
                             {"checkpoint": train_dir / "checkpoint.pt", "manifest": manifest_csv,
                              "descriptors": descriptors_json})
+    prov["runtime"] = runtime_block(device)
     counts = {}
     for cohort, keys in groups.items():
         rows = []
@@ -89,8 +87,7 @@ def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str
                                  "pred": CLASSES[int(p.argmax())], "cohort": cohort, "client": info["client"],
                                  "differentiation": info["differentiation"], "magnification": info["magnification"],
                                  "run_status": status, MEMBER_COLUMN: member})
-        columns = (*COLUMNS, MEMBER_COLUMN) if len(members) > 1 else COLUMNS
-        write_csv(out / f"{cohort}.csv", [{k: r[k] for k in columns} for r in rows], columns)
+        write_predictions(out / f"{cohort}.csv", rows)
         write_sidecar(out / f"{cohort}.csv", prov)
         counts[cohort] = len(rows)
     return {"status": status, "images": counts}

@@ -20,8 +20,10 @@ from torch import nn
 from fedhisto import CLASSES
 from fedhisto.atomic import write_json
 from fedhisto.config import Config
+from fedhisto.model.build import set_determinism
 from fedhisto.model.encoder import random_encoder
-from fedhisto.provenance import provenance_block
+from fedhisto.provenance import provenance_block, runtime_block
+from fedhisto.stages import stage_block
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 from fedhisto.views import training_views
@@ -48,6 +50,7 @@ def render_pool(cfg: Config) -> tuple[list[np.ndarray], list[int]]:
 
 def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
     torch.set_num_threads(max(threads, 1))
+    set_determinism()
     pc = cfg.model.pretrain
     torch.manual_seed(pc.seed)
     images, labels = render_pool(cfg)
@@ -81,8 +84,7 @@ def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
     encoder.eval()
     encoder.save_pretrained(out)
     report = {"pool_images": len(images), "sites": CLIENT_SITES, "history": history,
-              "provenance": provenance_block(STAGE, {"pretrain": pc.model_dump(mode="json"),
-                                                     "encoder": cfg.model.encoder.name,
-                                                     "views": cfg.views.model_dump(mode="json")})}
+              "provenance": provenance_block(STAGE, stage_block(cfg, STAGE)),
+              "runtime": runtime_block(torch.device("cpu"))}
     write_json(out / "pretrain_report.json", report)
     return report

@@ -31,12 +31,20 @@ def _fmt(v) -> str:
     return f"{v:.6f}" if isinstance(v, float) else ("" if v is None else str(v))
 
 
-def write_table(base: Path, rows: list[dict], title: str) -> None:
+def write_table(base: Path, rows: list[dict], title: str, notes: list[str] = ()) -> None:
     cols = list(dict.fromkeys(k for r in rows for k in r))
     write_csv(base.with_suffix(".csv"), [{k: _fmt(r.get(k)) for k in cols} for r in rows], cols)
     md = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(_fmt(r.get(k)) for k in cols) + " |" for r in rows]
+    md += ["", *(f"Note: {n}" for n in notes)] if notes else []
     write_text(base.with_suffix(".md"), "\n".join(md) + "\n")
+
+
+def unavailability_notes(summary: list[dict], methods: set[str]) -> list[str]:
+    """A footnote per method whose runs tolerated declared client unavailabilities (train loop)."""
+    return [f"{r['method']}: {r['unavailable_client_rounds']} client-round(s) unavailable across its runs "
+            "(aggregated without them; train.max_unavailable_client_rounds bounds this per run)"
+            for r in summary if r["method"] in methods and int(r.get("unavailable_client_rounds") or 0) > 0]
 
 
 def _save(fig, path: Path) -> None:
@@ -60,13 +68,16 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "macro_f1_sd": row["test_macro_f1_sd"], "balanced_accuracy_mean": row["test_balanced_accuracy_mean"],
                    "accuracy_mean": row["test_accuracy_mean"], "macro_auroc_mean": row["test_macro_auroc_mean"],
                    "ece_mean": row["test_ece_mean"], "worst_client_macro_f1_mean": row["worst_client_macro_f1_mean"],
-                   "worst_client_macro_f1_sd": row["worst_client_macro_f1_sd"]})
+                   "worst_client_macro_f1_sd": row["worst_client_macro_f1_sd"],
+                   "unavailable_client_rounds": row.get("unavailable_client_rounds", 0)})
     write_table(tables / "table4_internal", t4, "Table 4: internal global test (finalised seeds, mean and sample SD)")
+    missed = {r["method"]: r.get("unavailable_client_rounds", 0) for r in m["summary"]}
     t5 = []
     for method, e in m["ensembles"].items():
         t5.append({"method": method, "macro_f1": e["macro_f1"], "balanced_accuracy": e["balanced_accuracy"],
                    "accuracy": e["accuracy"], **{f"recall_{c}": e["per_class"][c]["recall"] for c in CLASSES},
-                   "nll": e["nll"], "brier": e["brier"], "ece": e["ece"]})
+                   "nll": e["nll"], "brier": e["brier"], "ece": e["ece"],
+                   "unavailable_client_rounds": missed.get(method, 0)})
     write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles")
     boots = [json.loads(Path(p).read_text()) for p in bootstrap_jsons]
     for path, b in zip(bootstrap_jsons, boots, strict=True):
@@ -86,7 +97,8 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                              "reference": v["reference"], "difference": v["difference"], "ci_low": v["ci_low"],
                              "ci_high": v["ci_high"], "p_two_sided": p_text,
                              "p_delta_positive": v["p_delta_positive"], "n_resamples": v["n_resamples"]})
-        write_table(tables / name, rows, title)
+        involved = {x for b in boots if b["ablation"] == ablation for x in (b["method"], b["reference"])}
+        write_table(tables / name, rows, title, unavailability_notes(m["summary"], involved))
     with Path(communication_csv).open() as fh:
         write_table(tables / "table8_communication", list(csv.DictReader(fh)), "Table 8: parameters and communication")
 

@@ -7,9 +7,7 @@ rule account_communication:
     log:
         "logs/accounting/account_communication.log",
     params:
-        model=CFG.model.model_dump(mode="json"),
-        methods=CFG.train.methods + CFG.train.ablations,
-        targets=CFG.partition_targets().model_dump(mode="json"),
+        block=stage_block(CFG, "accounting"),
     threads: 1
     resources:
         mem_mb=2000,

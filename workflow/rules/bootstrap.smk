@@ -12,10 +12,9 @@ rule bootstrap_comparison:
     log:
         "logs/bootstrap/{comparison}.log",
     params:
-        comparison=lambda wildcards: CFG.bootstrap.comparisons[wildcards.comparison].model_dump(mode="json"),
+        block=lambda wildcards: stage_block(CFG, "bootstrap", comparison=wildcards.comparison),
         # method's and reference's ensemble seeds (ablations: matched train.ablation_seeds)
         seeds=lambda wildcards: CFG.comparison_seeds(wildcards.comparison),
-        bootstrap=CFG.bootstrap.model_dump(mode="json", exclude={"comparisons"}),
     threads: 1
     resources:
         mem_mb=4000,

@@ -13,7 +13,7 @@ rule audit_duplicates:
     log:
         "logs/clearance/audit_duplicates.log",
     params:
-        clearance=CFG.clearance.model_dump(mode="json"),
+        block=stage_block(CFG, "clearance"),
     threads: 2
     resources:
         mem_mb=8000,

@@ -13,7 +13,7 @@ if CFG.cohort.mode == "synthetic":
         log:
             "logs/cohort/synthesize_cohort.log",
         params:
-            cohort=CFG.cohort.model_dump(mode="json"),
+            block=stage_block(CFG, "cohort"),
         threads: 2
         resources:
             mem_mb=4000,
@@ -35,7 +35,7 @@ else:
         log:
             "logs/cohort/collect_sources.log",
         params:
-            cohort=CFG.cohort.model_dump(mode="json"),
+            block=stage_block(CFG, "cohort"),
         threads: 1
         resources:
             mem_mb=2000,

@@ -13,8 +13,7 @@ rule build_manifest:
     log:
         "logs/manifest/build_manifest.log",
     params:
-        manifest=CFG.manifest.model_dump(mode="json"),
-        targets=CFG.partition_targets().model_dump(mode="json"),
+        block=stage_block(CFG, "manifest"),
     threads: 1
     resources:
         mem_mb=2000,

@@ -5,6 +5,7 @@ rule summarize_metrics:
     input:
         predictions=lambda wildcards: [f"results/predictions/{m}/seed{s}/{c}.csv"
                                        for m, s in train_runs() for c in ("test", "holdout", "external")],
+        status=lambda wildcards: [f"results/train/{m}/seed{s}/status.json" for m, s in train_runs()],
     output:
         summary="results/metrics/summary.csv",
         per_run="results/metrics/per_run.csv",
@@ -13,8 +14,9 @@ rule summarize_metrics:
     log:
         "logs/metrics/summarize_metrics.log",
     params:
-        runs=lambda wildcards: [[m, s, f"results/predictions/{m}/seed{s}"] for m, s in train_runs()],
-        evaluate=CFG.evaluate.model_dump(mode="json"),
+        runs=lambda wildcards: [[m, s, f"results/predictions/{m}/seed{s}", f"results/train/{m}/seed{s}"]
+                                for m, s in train_runs()],
+        block=stage_block(CFG, "metrics"),
     threads: 1
     resources:
         mem_mb=2000,

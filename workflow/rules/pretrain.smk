@@ -8,10 +8,7 @@ rule pretrain_encoder:
     log:
         "logs/pretrain/pretrain_encoder.log",
     params:
-        pretrain=CFG.model.pretrain.model_dump(mode="json"),
-        encoder=CFG.model.encoder.name,
-        views=CFG.views.model_dump(mode="json"),
-        image_size=CFG.cohort.synthetic.image_size,
+        block=stage_block(CFG, "pretrain"),
     threads: 2
     resources:
         mem_mb=3000,

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fedhisto.config import Config, ViewsConfig
 from fedhisto.federated.fedstain import (
@@ -33,7 +32,7 @@ from fedhisto.federated.fedstain import (
     style_traffic,
     upload_count,
 )
-from fedhisto.methods.base import Batch, LocalRun, Method, named_rng
+from fedhisto.methods.base import Batch, LocalRun, LocalSchedule, Method, balanced_cross_entropy, named_rng
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
 from fedhisto.views import eval_view, training_views
@@ -130,7 +129,7 @@ def client_style_statistics(model: FedHistoModel, global_state: dict[str, torch.
 
 def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y: torch.Tensor, pool: StyleStats,
                    ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
-                   device: torch.device) -> dict[str, torch.Tensor]:
+                   device: torch.device, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
     """Stage (b) for one batch: L = CE + alpha L_RA + beta L_JS (eq. 6) over X, X_stain, X(1), X(2).
 
     CE is taken on the original view with the class-balanced weights every method here uses. A
@@ -151,7 +150,7 @@ def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y:
         logits.append(lg.float())
         zs.append(z.float())
     return {
-        "ce": F.cross_entropy(logits[0], y, weight=ce_weights),
+        "ce": balanced_cross_entropy(logits[0], y, ce_weights, nominal_batch),
         "supcon": fs.weight_supcon * representation_alignment(zs[0], zs[1:], y, fs.supcon_tau),
         "js": fs.weight_js * js_multi(logits),
     }
@@ -161,6 +160,19 @@ class FedStain(Method):
     """Server: pools every client's uploaded statistics and sends each client the pool without its own
     rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Client: statistics of ceil(r n_i) images
     before training; L = CE + alpha L_RA + beta L_JS over four views per batch (eq. 6)."""
+
+    def local_schedule(self, round_idx: int) -> LocalSchedule:
+        """``train.fedstain.protocol``: ``study`` trains like every other method here (the comparison
+        isolates the method); ``paper`` uses FedStain's own settings (its Tables I-II and code): Adam
+        without weight decay, 3 local epochs, batch 32, the learning rate decayed linearly from
+        1e-4 to 2.5e-6 over the rounds. The input size stays the encoder's (its paper resizes to 128 px
+        for a ResNet; our frozen ViT has one input size)."""
+        fs = self.settings
+        if fs.protocol == "study":
+            return super().local_schedule(round_idx)
+        span = max(self.cfg.train.max_rounds - 1, 1)
+        lr = fs.paper_lr + (fs.paper_lr_end - fs.paper_lr) * min(round_idx, span) / span
+        return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1)
 
     def upload_before_training(self, model, start_state, data, rng, device) -> StyleStats:
         return client_style_statistics(model, start_state, data, self.cfg, rng, device)
@@ -181,7 +193,7 @@ class FedStain(Method):
         rng = named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
         with run.autocast():
             return fedstain_terms(run.model, run.scratch["hook"], x, batch.y, run.payload["style_pool"],
-                                  run.ce_weights, run.cfg, rng, run.device)
+                                  run.ce_weights, run.cfg, rng, run.device, run.nominal_batch)
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
         return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio)}

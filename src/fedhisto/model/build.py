@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
@@ -14,8 +15,20 @@ from fedhisto.provenance import canonical_json, config_hash, digest_path
 
 
 def pick_device() -> torch.device:
-    """From the environment (CUDA_VISIBLE_DEVICES as SLURM sets it); never assumes cuda:0 exists."""
+    """From the environment (CUDA_VISIBLE_DEVICES as SLURM sets it); never assumes cuda:0 exists.
+    Turns deterministic algorithms on first (``set_determinism``)."""
+    set_determinism()
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def set_determinism() -> None:
+    """Deterministic kernels wherever torch has them (cuDNN deterministic, no autotuning, as the study
+    says). On CUDA, cuBLAS needs a fixed workspace for reproducible matmuls; an op without a
+    deterministic kernel warns rather than stops a study-scale run (the warning lands in the rule log)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def build_model(cfg: Config, method: Method, seed: int, encoder_dir: str | None) -> FedHistoModel:

@@ -25,6 +25,7 @@ from fedhisto.config import Config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import Method
 from fedhisto.model.build import build_model, descriptor_digest, encoder_digest, pick_device
+from fedhisto.predictions import PROB_COLUMNS
 from fedhisto.provenance import config_hash, provenance_block, runtime_block
 from fedhisto.stages import stage_block
 from fedhisto.train.data import load_partitions
@@ -42,7 +43,6 @@ from fedhisto.train.loop import (
 
 log = logging.getLogger(__name__)
 STAGE = "train"
-PROB_COLUMNS = tuple(f"p_{c}" for c in CLASSES)
 
 
 def run_identity(cfg: Config, method: Method, seed: int, dataset_identity: str, descriptors: dict,
@@ -150,5 +150,7 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
         write_json(out / "report.json", summary)
         status = "finalised"
     write_json(out / "status.json", {"status": status, "method": method, "seed": seed,
-                                     "dataset_identity": dataset_identity, "provenance": prov})
+                                     "dataset_identity": dataset_identity,
+                                     "unavailable_client_rounds": summary["unavailable_client_rounds"],
+                                     "provenance": prov})
     return summary
