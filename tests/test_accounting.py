@@ -79,3 +79,13 @@ def test_fedstain_row_adds_its_statistics_to_the_fedavg_model_traffic(paper_rows
     style = style_traffic(768, sizes, 0.1) / MIB
     assert r["style_statistics_per_round_mib"] == f"{style:.6f}" == "15.705643"
     assert float(r["per_round_mib"]) == pytest.approx(37.685661 + style, abs=2e-6)
+
+
+def test_fedstain_code_row_counts_the_pixel_skewness_and_kurtosis_it_uploads(paper_rows):
+    """The authors' code uploads 3 skewness + 3 kurtosis floats per image of floor(r n_i) images:
+    floor(0.1 x (657, 891, 609, 608, 2560)) = 65 + 89 + 60 + 60 + 256 = 530 rows up, each client
+    receives the other 530 - own rows (4 x 530 = 2,120 down); 2,650 rows x 24 bytes = 63,600 bytes."""
+    r = paper_rows["fedstain_code"]
+    assert r["payload_mib"] == TABLE8["fedavg_peft"][0] and r["prototype_per_round_mib"] == "0.000000"
+    assert r["style_statistics_per_round_mib"] == f"{63_600 / MIB:.6f}" == "0.060654"
+    assert float(r["per_round_mib"]) == pytest.approx(37.685661 + 63_600 / MIB, abs=2e-6)

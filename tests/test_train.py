@@ -168,6 +168,26 @@ def test_fedstain_trains_resumes_bitwise_and_exchanges_no_model_extras(prepared:
     assert set(final_state(fedavg)) == set(a)
 
 
+def test_fedstain_code_trains_logs_its_terms_and_resumes_bitwise(prepared: dict, tmp_path: Path):
+    """The code variant on the same engine: CE (three views), JS and SupCon are logged, and a run
+    stopped after its first round resumes to the bitwise identical state (pools are recomputed)."""
+    cfg = prepared["cfg"].model_copy(update={"train": prepared["cfg"].train.model_copy(update={"max_rounds": 2})})
+    reference = tmp_path / "reference"
+    assert train(prepared, "fedstain_code", reference, cfg=cfg)["rounds"] == 2
+    with (reference / "history.csv").open() as fh:
+        losses = [json.loads(r["losses"]) for r in csv.DictReader(fh)]
+    for per_client in losses:
+        for terms in per_client.values():
+            assert set(terms) == {"ce", "supcon", "js"}
+            assert terms["supcon"] > 0 and terms["js"] > 0
+    stopped = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        train(prepared, "fedstain_code", stopped, cfg=cfg, stop_after_round=1)
+    assert train(prepared, "fedstain_code", stopped, cfg=cfg)["resumed_at_rounds"] == [1]
+    a, b = final_state(reference), final_state(stopped)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_fedstain_switches_turn_its_views_back_into_the_plain_view(prepared: dict, tmp_path: Path):
     """With RandStain, AugMix and MixStyle off the four views are one image, so the JS term only sees
     dropout noise: it falls by more than an order of magnitude against the full method."""

@@ -9,6 +9,9 @@ Messages per round and client:
   per-class reliability (C floats) and availability mask (C bytes).
 - style statistics (fedstain): up, ceil(r n_i) rows of 3 pixel means, 3 pixel deviations and
   the block features' skewness and kurtosis (2 D floats); down, every other client's rows.
+- style statistics (fedstain_code, as the authors' code): up, floor(r n_i) rows of 3 pixel
+  skewness and 3 pixel kurtosis floats (the code's only upload; no mean/std, no features);
+  down, every other client's rows.
   n_i is the planned optimisation size (pool minus holdout); holdouts drawn in whole duplicate
   families can move a realised count by a few images (results/manifest/composition.csv).
 One-time: each client's 14-d stain descriptor, up once.

@@ -250,6 +250,22 @@ class FedStainConfig(Strict):
     paper_batch: int = Field(32, ge=2)
 
 
+class FedStainCodeConfig(Strict):
+    """FedStain as its authors' public code runs it (docs/fedstain.md): pixel skewness/kurtosis, a 0.1 x
+    per-channel pixel shift, AugMix; three views; CE + lambda2 JS + lambda1 SupCon, both 0.1 in the code."""
+
+    upload_ratio: float = Field(0.1, gt=0, le=1, description="r: statistics of floor(r n_i) local images per round")
+    shift_scale: float = Field(0.1, ge=0, description="the code's style_factor: pixel shift per unit moment change")
+    mixstyle_alpha: float = Field(0.1, gt=0, description="lambda ~ Beta(alpha, alpha) mixing own and pooled moments")
+    moment_clamp: float = Field(10.0, gt=0, description="skewness, kurtosis and shifted pixels clamped to +-this")
+    weight_supcon: float = Field(0.10, ge=0, description="lambda1: SupCon of each generated view against the original")
+    weight_js: float = Field(0.10, ge=0, description="lambda2: JS across the three views' predictions")
+    supcon_tau: float = Field(0.1, gt=0)
+    augmix_width: int = Field(3, ge=1)
+    augmix_depth: int = Field(3, ge=1)
+    augmix: bool = Field(True, description="ablation switch: off leaves the generated views as shifted pixels")
+
+
 class TrainConfig(Strict):
     methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "fedprox_peft", "film_zero", "past_v1", "past_v2"])
     ablations: list[Method] = Field(default_factory=lambda: ["v2_no_js", "v2_no_feat", "v2_no_proto"])
@@ -271,6 +287,7 @@ class TrainConfig(Strict):
         5, ge=0, description="declared client unavailabilities tolerated in a run before it counts as failed")
     past: PastConfig = PastConfig()
     fedstain: FedStainConfig = FedStainConfig()
+    fedstain_code: FedStainCodeConfig = FedStainCodeConfig()
 
 
 # ------------------------------------------------------------------- evaluate
@@ -290,6 +307,7 @@ def _paper_comparisons() -> dict[str, Comparison]:
              "v2_vs_v1": "past_v1"}
     out = {name: Comparison(method="past_v2", reference=ref) for name, ref in pairs.items()}
     out["v2_vs_fedstain"] = Comparison(method="past_v2", reference="fedstain")  # ours: the added comparator
+    out["v2_vs_fedstain_code"] = Comparison(method="past_v2", reference="fedstain_code")  # ours: as its code runs
     out["v2_vs_local"] = Comparison(method="past_v2", reference="local_only")  # ours: does federation help?
     out["v2_vs_pooled"] = Comparison(method="past_v2", reference="pooled")  # ours: centralised reference
     for abl in ("v2_no_js", "v2_no_feat", "v2_no_proto"):

@@ -12,7 +12,9 @@ loss is CE + alpha * L_RA (SupCon, eq. 3-4) + beta * L_JS (eq. 5-6). Aggregation
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,12 +42,12 @@ def upload_count(n_samples: int, ratio: float) -> int:
 
 
 def style_traffic(dim: int, optimisation_sizes: dict[str, int], ratio: float, pixel_floats: int = 6,
-                  feature_floats_per_channel: int = 2) -> int:
-    """Bytes of one round's statistics exchange (float32): every client's ceil(r n_i) upload rows plus
-    each client's pool of the others' rows. A row holds ``pixel_floats`` pixel statistics and
-    ``feature_floats_per_channel`` x D feature statistics."""
+                  feature_floats_per_channel: int = 2, count: Callable[[int, float], int] = upload_count) -> int:
+    """Bytes of one round's statistics exchange (float32): every client's ``count(n_i, r)`` upload rows
+    (ceil(r n_i) by default) plus each client's pool of the others' rows. A row holds ``pixel_floats``
+    pixel statistics and ``feature_floats_per_channel`` x D feature statistics."""
     row = (pixel_floats + feature_floats_per_channel * dim) * 4
-    rows = {client: upload_count(n, ratio) for client, n in optimisation_sizes.items()}
+    rows = {client: count(n, ratio) for client, n in optimisation_sizes.items()}
     total = sum(rows.values())
     return total * row + sum(total - r for r in rows.values()) * row
 
@@ -63,13 +65,15 @@ class StyleStats:
         return sum(t.numel() for t in (self.pixel_mean, self.pixel_std, self.feat_skew, self.feat_kurt))
 
 
-def pool_excluding(uploads: dict[str, StyleStats], client: str) -> StyleStats:
-    """S_pool^i = S_pool minus S_i (Algorithm 2, lines 8-9): every other client's rows, in client order."""
-    others = [uploads[c] for c in sorted(uploads) if c != client]
+def pool_excluding(uploads: dict[str, Any], client: str) -> Any:
+    """S_pool^i = S_pool minus S_i (Algorithm 2, lines 8-9): every other client's rows, in client order.
+
+    Uploads are row-wise dataclasses of tensors (``StyleStats``, or the code variant's ``PixelMoments``);
+    the pool is one of the same type with every field's rows concatenated."""
+    others = [uploads[c] for c in sorted(uploads) if c != client and uploads[c] is not None]
     if not others:
         raise ValueError(f"no other client uploaded style statistics for {client!r}")
-    return StyleStats(*(torch.cat([getattr(o, f) for o in others]) for f in
-                        ("pixel_mean", "pixel_std", "feat_skew", "feat_kurt")))
+    return type(others[0])(*(torch.cat([getattr(o, f.name) for o in others]) for f in fields(others[0])))
 
 
 def randstain(x: torch.Tensor, pool: StyleStats, rng: np.random.Generator, eps: float = 1e-6) -> torch.Tensor:
@@ -105,16 +109,24 @@ def mixstyle_higher_order(x: torch.Tensor, pool: StyleStats, rng: np.random.Gene
     return gamma_mix[..., None] * standardised + beta_mix[..., None]
 
 
-def supcon(z: torch.Tensor, labels: torch.Tensor, tau: float = 0.1) -> torch.Tensor:
+def supcon(z: torch.Tensor, labels: torch.Tensor, tau: float = 0.1, include_self: bool = False) -> torch.Tensor:
     """Eq. 3 with cosine similarity: for each anchor i, -1/|P(i)| sum_p log softmax_{a != i}(s(z_i, z_a) / tau)_p.
 
     Averaged over the anchors that have a positive [ours: the printed sum over I scales with the
     batch size; the mean keeps alpha comparable across batch sizes, as in the SupCon reference code].
+
+    ``include_self``: the authors' code's form, where the anchor counts among its own positives:
+    per anchor -(s_ii + sum_p s_ip) / (|P(i)| + 1) + log sum_{a != i} exp(s_ia), s = cosine / tau,
+    averaged over every anchor.
     """
     z = F.normalize(z.float(), dim=1)
     sim = z @ z.T / tau
     n = len(z)
     self_mask = torch.eye(n, dtype=torch.bool, device=z.device)
+    if include_self:
+        same = (labels[:, None] == labels[None, :]).float()
+        positive = (sim * same).sum(1) / same.sum(1)
+        return (sim.masked_fill(self_mask, float("-inf")).logsumexp(1) - positive).mean()
     log_prob = sim.masked_fill(self_mask, float("-inf")).log_softmax(dim=1)
     positives = (labels[:, None] == labels[None, :]) & ~self_mask
     counts = positives.sum(1)
@@ -126,10 +138,10 @@ def supcon(z: torch.Tensor, labels: torch.Tensor, tau: float = 0.1) -> torch.Ten
 
 
 def representation_alignment(z: torch.Tensor, augmented: list[torch.Tensor], labels: torch.Tensor,
-                             tau: float = 0.1) -> torch.Tensor:
+                             tau: float = 0.1, include_self: bool = False) -> torch.Tensor:
     """Eq. 4: L_RA = mean over augmented feature sets X of SupCon over {Z, X} (labels repeated)."""
     both = labels.repeat(2)
-    return sum(supcon(torch.cat([z, x]), both, tau) for x in augmented) / len(augmented)
+    return sum(supcon(torch.cat([z, x]), both, tau, include_self) for x in augmented) / len(augmented)
 
 
 def js_multi(logits: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:

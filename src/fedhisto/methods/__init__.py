@@ -39,8 +39,11 @@ register("v2_no_feat", _PAST, "past", film=True, prototypes="v2", paired_views=T
          aggregation="adaptive")
 register("v2_no_proto", _PAST, "past", film=True, prototypes="none", paired_views=True, js=True, feat=True,
          aggregation="adaptive")
-# The FedStain comparator (not in the study) on the same PEFT architecture as fedavg_peft.
+# The FedStain comparator (not in the study) on the same PEFT architecture as fedavg_peft, as its
+# paper's Algorithm 1 prints it.
 register("fedstain", "fedhisto.methods.fedstain:FedStain", "fedstain")
+# FedStain as its authors' public code runs it (pixel-level statistics and shift, three views).
+register("fedstain_code", "fedhisto.methods.fedstain_code:FedStainCode", "fedstain_code")
 # References every federated method is measured against (FLamby reports both).
 register("local_only", "fedhisto.methods.local_only:LocalOnly")
 register("pooled", "fedhisto.methods.pooled:Pooled")

@@ -1,0 +1,112 @@
+"""FedStain as its authors' public code runs it (``fedstain_code``), beside the literal Algorithm 1 (``fedstain``).
+
+Shared with the literal variant (inherited): the statistics exchange, the pool each client
+receives without its own rows, FedAvg of the adapters, the PEFT architecture without FiLM.
+Different (docs/fedstain.md has the full table): the statistics are the skewness and excess
+kurtosis of the *input pixels* of floor(r n_i) images, the only upload; the generated views are
+the pixels with a small per-channel shift (``pixel_style_shift``) and then AugMix; three views
+(original + two generated); CE on all three, JS across them, SupCon of each generated view
+against the original with the anchor among its own positives; lambda1 = lambda2 = 0.1; no RandStain.
+
+[ours] on this architecture: the original view is the plain geometric training view every
+single-view method sees; CE is class-balanced like every method here; AugMix is the morphology
+AugMix the literal variant uses (torchvision's op set is not a dependency here); statistics are
+taken on the evaluation view of the sampled images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from fedhisto.config import Config, FedStainCodeConfig
+from fedhisto.federated.fedstain import augmix, js_multi, representation_alignment, style_traffic
+from fedhisto.federated.fedstain_code import (
+    PixelMoments,
+    code_upload_count,
+    pixel_moments,
+    pixel_style_shift,
+    quantise_unit,
+)
+from fedhisto.methods.base import Batch, LocalRun, balanced_cross_entropy, named_rng
+from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
+from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.train.data import Split
+from fedhisto.views import eval_view, training_views
+
+#: the code's JS clamps the mixture distribution at 1e-7
+JS_EPS = 1e-7
+
+
+@torch.no_grad()
+def client_pixel_moments(data: Split, cfg: Config, rng: np.random.Generator) -> PixelMoments:
+    """The upload: pixel skewness and kurtosis (per RGB channel) of floor(r n_i) images drawn without
+    replacement (the code: the first r of its shuffled training loader), on normalised pixels."""
+    n = code_upload_count(len(data), cfg.train.fedstain_code.upload_ratio)
+    idx = sorted(rng.choice(len(data), size=n, replace=False).tolist())
+    pixels = torch.stack([eval_view(data.images[i], cfg.views) for i in idx])
+    s = cfg.train.fedstain_code
+    _, _, skew, kurt = pixel_moments(pixels, clamp=s.moment_clamp)
+    return PixelMoments(skew, kurt)
+
+
+def generated_views(x: torch.Tensor, pool: PixelMoments, settings: FedStainCodeConfig, cfg: Config,
+                    rng: np.random.Generator) -> list[torch.Tensor]:
+    """The two generated views of a batch of normalised pixels: each its own draw of sampled pooled
+    moments -> pixel shift -> AugMix (on the uint8-quantised RGB image, re-normalised)."""
+    out = []
+    for _ in range(2):
+        shifted = pixel_style_shift(x, pool, rng, settings.mixstyle_alpha, settings.shift_scale,
+                                    clamp=settings.moment_clamp)
+        if settings.augmix:
+            unit = quantise_unit(to_unit(shifted, cfg.views))
+            shifted = from_unit(torch.stack([augmix(img, rng, settings.augmix_width, settings.augmix_depth)
+                                             for img in unit]), cfg.views)
+        out.append(shifted)
+    return out
+
+
+def fedstain_code_terms(model: FedHistoModel, x: torch.Tensor, y: torch.Tensor, pool: PixelMoments,
+                        ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
+                        device: torch.device) -> dict[str, torch.Tensor]:
+    """One batch: CE summed over (original, generated, generated) + lambda2 JS + lambda1 SupCon."""
+    s = cfg.train.fedstain_code
+    logits, zs = [], []
+    for view in [x, *generated_views(x, pool, s, cfg, rng)]:
+        lg, z = model(view.to(device))
+        logits.append(lg.float())
+        zs.append(z.float())
+    return {
+        "ce": sum(balanced_cross_entropy(lg, y, ce_weights) for lg in logits),
+        "supcon": s.weight_supcon * representation_alignment(zs[0], zs[1:], y, s.supcon_tau, include_self=True),
+        "js": s.weight_js * js_multi(logits, eps=JS_EPS),
+    }
+
+
+class FedStainCode(FedStain):
+    """Server as ``FedStain`` (pool without the client's own rows, FedAvg); client: pixel moments up
+    before training, three views per batch, the code's objective. No hook inside the encoder."""
+
+    def upload_before_training(self, model, start_state, data, rng, device) -> PixelMoments:
+        return client_pixel_moments(data, self.cfg, rng)
+
+    @contextmanager
+    def local_session(self, run: LocalRun) -> Iterator[None]:
+        yield
+
+    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
+        x = torch.stack([training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
+                                        False, stain_single=False)[0] for i in batch.idx])
+        rng = named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
+        with run.autocast():
+            return fedstain_code_terms(run.model, x, batch.y, run.payload["style_pool"], run.ce_weights, run.cfg,
+                                       rng, run.device)
+
+    def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
+        """Up: floor(r n_i) rows of 3 pixel skewness + 3 pixel kurtosis floats; down: the others' rows."""
+        return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio,
+                                                  pixel_floats=6, feature_floats_per_channel=0,
+                                                  count=code_upload_count)}
