@@ -31,7 +31,7 @@ from fedhisto.federated.fedstain_code import (
     pixel_style_shift,
     quantise_unit,
 )
-from fedhisto.methods.base import Batch, LocalRun, balanced_cross_entropy, named_rng
+from fedhisto.methods.base import Batch, LocalRun, Method, balanced_cross_entropy, named_rng
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
@@ -92,6 +92,9 @@ class FedStainCode(FedStain):
 
     def upload_before_training(self, model, start_state, data, rng, device) -> PixelMoments:
         return client_pixel_moments(data, self.cfg, rng)
+
+    def local_schedule(self, round_idx: int):
+        return Method.local_schedule(self, round_idx)  # the study's protocol (no paper switch here)
 
     @contextmanager
     def local_session(self, run: LocalRun) -> Iterator[None]:
