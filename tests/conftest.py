@@ -38,9 +38,11 @@ def snakemake_bin() -> str:
 
 
 def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
-    """The embedded default shrunk for workflow tests: two methods, one seed, few rounds, a 1-epoch pretrain."""
+    """The embedded default shrunk for workflow tests: three methods (one keeping a model per client), one
+    seed, few rounds, a 1-epoch pretrain."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    cfg["train"].update(methods=["fedavg_peft", "past_v2"], seeds=[11], ablations=[], max_rounds=max_rounds)
+    cfg["train"].update(methods=["fedavg_peft", "past_v2", "local_only"], seeds=[11], ablations=[],
+                        max_rounds=max_rounds)
     cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)
     path = workdir / "config/config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

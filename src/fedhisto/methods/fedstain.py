@@ -186,11 +186,16 @@ class FedStain(Method):
             run.scratch["hook"] = hook
             yield
 
-    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
-        # its own views and objective on the plain geometric view of each image
+    @staticmethod
+    def plain_views(run: LocalRun, batch: Batch) -> tuple[torch.Tensor, np.random.Generator]:
+        """The plain geometric view of each image (FedStain builds its own views from it) and the
+        batch's stream for those views."""
         x = torch.stack([training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
                                         False, stain_single=False)[0] for i in batch.idx])
-        rng = named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
+        return x, named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
+
+    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
+        x, rng = self.plain_views(run, batch)
         with run.autocast():
             return fedstain_terms(run.model, run.scratch["hook"], x, batch.y, run.payload["style_pool"],
                                   run.ce_weights, run.cfg, rng, run.device, run.nominal_batch)

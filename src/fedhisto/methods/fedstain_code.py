@@ -31,11 +31,11 @@ from fedhisto.federated.fedstain_code import (
     pixel_style_shift,
     quantise_unit,
 )
-from fedhisto.methods.base import Batch, LocalRun, Method, balanced_cross_entropy, named_rng
+from fedhisto.methods.base import Batch, LocalRun, Method, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
-from fedhisto.views import eval_view, training_views
+from fedhisto.views import eval_view
 
 #: the code's JS clamps the mixture distribution at 1e-7
 JS_EPS = 1e-7
@@ -71,7 +71,7 @@ def generated_views(x: torch.Tensor, pool: PixelMoments, settings: FedStainCodeC
 
 def fedstain_code_terms(model: FedHistoModel, x: torch.Tensor, y: torch.Tensor, pool: PixelMoments,
                         ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
-                        device: torch.device) -> dict[str, torch.Tensor]:
+                        device: torch.device, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
     """One batch: CE summed over (original, generated, generated) + lambda2 JS + lambda1 SupCon."""
     s = cfg.train.fedstain_code
     logits, zs = [], []
@@ -80,7 +80,7 @@ def fedstain_code_terms(model: FedHistoModel, x: torch.Tensor, y: torch.Tensor, 
         logits.append(lg.float())
         zs.append(z.float())
     return {
-        "ce": sum(balanced_cross_entropy(lg, y, ce_weights) for lg in logits),
+        "ce": sum(balanced_cross_entropy(lg, y, ce_weights, nominal_batch) for lg in logits),
         "supcon": s.weight_supcon * representation_alignment(zs[0], zs[1:], y, s.supcon_tau, include_self=True),
         "js": s.weight_js * js_multi(logits, eps=JS_EPS),
     }
@@ -101,12 +101,10 @@ class FedStainCode(FedStain):
         yield
 
     def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
-        x = torch.stack([training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
-                                        False, stain_single=False)[0] for i in batch.idx])
-        rng = named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
+        x, rng = self.plain_views(run, batch)
         with run.autocast():
             return fedstain_code_terms(run.model, x, batch.y, run.payload["style_pool"], run.ce_weights, run.cfg,
-                                       rng, run.device)
+                                       rng, run.device, run.nominal_batch)
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
         """Up: floor(r n_i) rows of 3 pixel skewness + 3 pixel kurtosis floats; down: the others' rows."""
