@@ -95,6 +95,7 @@ class FederatedRun:
         self.cfg_json = cfg.model_dump_json()
         self.events, self.pause = events, pause_between_rounds
         self.checkpoint = self.out / "checkpoint.pt"
+        self.after_round = None  # called after each round's checkpoint (the ServerApp dumps its open audit)
 
     # ------------------------------------------------------------------ messages
     def _run_record(self, site: str, round_idx: int, **extra) -> ConfigRecord:
@@ -223,6 +224,8 @@ class FederatedRun:
             ckpt["history"].append({"round": r + 1, "val_macro_f1": val, "best": improved, **row,
                                     "member_metrics": member_metrics, "wall_s": round(time.perf_counter() - start, 3)})
             save_checkpoint(self.checkpoint, ckpt)
+            if self.after_round is not None:
+                self.after_round()
             self._event(event="checkpoint", round=r + 1, val=val, unavailable=sorted(row["unavailable_clients"]))
             log.info("round %d/%d: validation macro-F1 %.4f, %d client(s) unavailable, checkpoint saved", r + 1,
                      t.max_rounds, val, len(row["unavailable_clients"]))

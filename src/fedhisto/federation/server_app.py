@@ -124,6 +124,7 @@ def main(grid: Grid, context: Context) -> None:
                        encoder_dir=str(rc.get("encoder-dir", "")) or None, eval_site=str(rc.get("eval-site", "")) or None,
                        events=Path(log_dir) / "events.jsonl" if log_dir else None,
                        pause_between_rounds=float(rc.get("pause-between-rounds", 0.0)))
+    fed.after_round = lambda: dump_audit(log_dir)
     run_base = {"method": fed.method.name, "seed": fed.seed, "config": fed.cfg_json}
     ex = GridExchange(grid, sites, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
                       run_base)
