@@ -240,7 +240,7 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     procs = Procs(wd / "logs", env)
     out, logs = wd / "results/train/past_v2/seed11", wd / "serverapp"
     sl = superlink_cmd(port, tls=tls, database=wd / "superlink.db")
-    rc = run_config(prepared, "past_v2", out, logs, **{"pause-between-rounds": 30.0})
+    rc = run_config(prepared, "past_v2", out, logs, **{"pause-between-rounds": 15.0})
     timings = {}
     try:
         procs.start("superlink", sl)

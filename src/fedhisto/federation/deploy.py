@@ -215,7 +215,8 @@ def descendants(pid: int) -> list[int]:
                 pass
     out, frontier = [], [pid]
     while frontier:
-        kids = [c for c, p in parents.items() if p == frontier.pop()]
+        cur = frontier.pop()
+        kids = [c for c, p in parents.items() if p == cur]
         out += kids
         frontier += kids
     return out
@@ -274,7 +275,10 @@ class Procs:
     def stop_all(self) -> list[int]:
         """Stop everything; returns the pids still alive afterwards (should be none)."""
         for name in list(self.procs):
-            self.stop(name, grace=5.0)
+            try:
+                self.stop(name, grace=5.0)
+            except Exception:  # keep going: the tag sweep below still catches it
+                pass
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in tagged_pids(self.tag):
                 _signal(pid, sig)
