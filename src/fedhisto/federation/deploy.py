@@ -12,6 +12,7 @@ environment; ``Procs.stop_all`` stops each started process, its process group an
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import os
@@ -275,10 +276,8 @@ class Procs:
     def stop_all(self) -> list[int]:
         """Stop everything; returns the pids still alive afterwards (should be none)."""
         for name in list(self.procs):
-            try:
+            with contextlib.suppress(Exception):  # keep going: the tag sweep below still catches it
                 self.stop(name, grace=5.0)
-            except Exception:  # keep going: the tag sweep below still catches it
-                pass
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in tagged_pids(self.tag):
                 _signal(pid, sig)
