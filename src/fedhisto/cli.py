@@ -60,6 +60,152 @@ def _cmd_model_card(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ federation (Flower; fedhisto[federation])
+def _flower():
+    try:
+        from fedhisto.federation import deploy
+    except ImportError as exc:  # pragma: no cover - only without the extra
+        raise RuntimeError(f"{exc}: install the federation extra: pip install -e \".[federation]\"") from None
+    return deploy
+
+
+def _exec(cmd: list[str], env: dict | None = None) -> int:
+    import os
+    import subprocess
+
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env=env or dict(os.environ))
+
+
+def _cmd_federation_keys(args: argparse.Namespace) -> int:
+    deploy = _flower()
+    out = Path(args.out)
+    paths = deploy.make_tls(out / "certs", tuple(args.host)) if args.tls else {}
+    keys = {s: [str(p) for p in deploy.make_site_key(out / "keys", s)] for s in args.sites}
+    print(json.dumps({"tls": {k: str(v) for k, v in paths.items()}, "site_keys": keys}, indent=2))
+    return 0
+
+
+def _cmd_superlink(args: argparse.Namespace) -> int:
+    deploy = _flower()
+    tls = None if args.insecure else {"ca": args.ca, "cert": args.cert, "key": args.key}
+    if tls and not all(tls.values()):
+        raise RuntimeError("TLS is on by default: give --ca, --cert and --key (or run with --insecure)")
+    return _exec(deploy.superlink_cmd(args.port, args.host, tls, args.database, args.insecure))
+
+
+def _cmd_register_site(args: argparse.Namespace) -> int:
+    deploy = _flower()
+    env = _connection_env(deploy, args)
+    print(deploy.flwr_cli(["supernode", "register", args.public_key, "fedhisto", "--name", args.site], env))
+    return 0
+
+
+def _connection_env(deploy, args) -> dict:
+    home = Path(args.flwr_home).resolve()
+    deploy.write_connection(home, "fedhisto", args.superlink, root_certificates=args.ca, insecure=args.insecure)
+    if not args.insecure and not args.ca:
+        raise RuntimeError("TLS is on by default: give --ca (the CA that signed the SuperLink), or --insecure")
+    return deploy.flower_env(home)
+
+
+def _cmd_site(args: argparse.Namespace) -> int:
+    deploy = _flower()
+    cmd = deploy.supernode_cmd(args.superlink, args.site, args.manifest, args.descriptors or "", args.ca,
+                               args.auth_key, args.runtime_port, args.insecure, args.encoder_dir or "", args.threads)
+    return _exec(cmd, deploy.flower_env(Path(args.flwr_home).resolve()))
+
+
+def _cmd_federate(args: argparse.Namespace) -> int:
+    deploy = _flower()
+    from fedhisto.federation import APP_DIR
+
+    out = Path(args.out or f"results/train/{args.method}/seed{args.seed}").resolve()
+    identity = args.dataset_identity or json.loads(Path(args.manifest_json).read_text())["dataset_identity"]
+    rc = {"method": args.method, "seed": args.seed, "config": str(Path(args.config).resolve()),
+          "descriptors": str(Path(args.descriptors).resolve()), "out-dir": str(out), "dataset-identity": identity,
+          "sites": ",".join(args.sites), "eval-site": args.eval_site or "", "log-dir": str(out / "federation"),
+          "round-timeout": float(args.round_timeout), "encoder-dir": args.encoder_dir or ""}
+    home = Path(args.flwr_home).resolve()
+    if args.simulation:
+        deploy.write_connection(home, "fedhisto", ":local-in-memory:",
+                                simulation={"num_supernodes": len(args.sites), "num_cpus": args.threads})
+        rc.update({"sim-manifest": str(Path(args.manifest).resolve()),
+                   "sim-descriptors": str(Path(args.descriptors).resolve())})
+        env = deploy.flower_env(home)
+    else:
+        env = _connection_env(deploy, args)
+    cmd = [deploy.flower_bin("flwr"), "run", str(APP_DIR), "fedhisto", "--run-config", deploy.run_config_arg(rc),
+           "--stream"]
+    rc_ = _exec(cmd, env)
+    status = out / "status.json"
+    if status.exists():
+        print(status.read_text())
+    return rc_
+
+
+def _federation_parsers(sub) -> None:
+    def connection(p, *, superlink: bool = True) -> None:
+        if superlink:
+            p.add_argument("--superlink", default="127.0.0.1:9093", help="host:port of the SuperLink")
+        p.add_argument("--ca", help="CA certificate that signed the SuperLink's (TLS is on by default)")
+        p.add_argument("--insecure", action="store_true", help="no TLS, no SuperNode authentication (testing only)")
+        p.add_argument("--flwr-home", default=".flwr", help="Flower's client state folder (FLWR_HOME)")
+
+    p = sub.add_parser("federation-keys", help="make a test CA + SuperLink certificate and each site's auth key pair")
+    p.add_argument("--out", required=True)
+    p.add_argument("--sites", nargs="+", default=["C1", "C2", "C3", "C4", "C5"])
+    p.add_argument("--host", nargs="+", default=["127.0.0.1", "localhost"], help="SuperLink names in its certificate")
+    p.add_argument("--no-tls", dest="tls", action="store_false", help="site keys only")
+    p.set_defaults(func=_cmd_federation_keys)
+
+    p = sub.add_parser("superlink", help="coordinator: start Flower's SuperLink (TLS + SuperNode authentication)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=9093, help="one HTTPS port for sites, CLI and ServerApp")
+    p.add_argument("--ca")
+    p.add_argument("--cert")
+    p.add_argument("--key")
+    p.add_argument("--database", default="superlink.db", help="keeps registrations/node ids across restarts")
+    p.add_argument("--insecure", action="store_true")
+    p.set_defaults(func=_cmd_superlink)
+
+    p = sub.add_parser("register-site", help="coordinator: register a site's public key under its site id")
+    p.add_argument("site")
+    p.add_argument("public_key")
+    connection(p)
+    p.set_defaults(func=_cmd_register_site)
+
+    p = sub.add_parser("site", help="site IT: start this site's SuperNode (runs the ClientApp on local data)")
+    p.add_argument("--site", required=True, help="site id, as registered (C1..C5)")
+    p.add_argument("--manifest", required=True, help="manifest CSV (or this site's slice of it)")
+    p.add_argument("--descriptors", help="stain-stage descriptors JSON (FiLM methods)")
+    p.add_argument("--auth-key", help="this site's private key (its .pub is registered by the coordinator)")
+    p.add_argument("--runtime-port", type=int, default=9094, help="local port of the SuperNode (not exposed)")
+    p.add_argument("--encoder-dir")
+    p.add_argument("--threads", type=int, default=1)
+    connection(p)
+    p.set_defaults(func=_cmd_site)
+
+    p = sub.add_parser("federate", help="coordinator: run a method on the SuperLink (or --simulation) into "
+                                        "results/train/{method}/seed{seed}")
+    p.add_argument("--method", default="past_v2")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--config", default="config/config.yaml")
+    p.add_argument("--descriptors", default="results/stain/descriptors.json")
+    p.add_argument("--manifest-json", default="results/manifest/manifest.json", help="read for its dataset identity")
+    p.add_argument("--dataset-identity")
+    p.add_argument("--sites", nargs="+", default=["C1", "C2", "C3", "C4", "C5"])
+    p.add_argument("--eval-site", help="the site that holds the validation split (default: the first)")
+    p.add_argument("--encoder-dir")
+    p.add_argument("--round-timeout", type=float, default=900.0)
+    p.add_argument("--out")
+    p.add_argument("--simulation", action="store_true", help="Flower's Simulation Engine on this machine (Ray)")
+    p.add_argument("--manifest", default="results/manifest/manifest.csv", help="--simulation: the sites' data")
+    p.add_argument("--threads", type=int, default=2)
+    connection(p)
+    p.set_defaults(func=_cmd_federate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedhisto", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fedhisto {__version__}")
@@ -93,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="hibou-b")
     p.add_argument("--method", choices=method_names(), default="past_v2")
     p.set_defaults(func=_cmd_model_card)
+    _federation_parsers(sub)
     return parser
 
 
