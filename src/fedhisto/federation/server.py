@@ -27,8 +27,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedhisto import CLASSES
-from fedhisto.atomic import write_csv, write_json
+from fedhisto.atomic import write_json
 from fedhisto.config import Config
 from fedhisto.federated.aggregate import flat_update
 from fedhisto.federation.records import get_value, payload_bytes, put_members, put_payload, state_record
@@ -46,7 +45,7 @@ from fedhisto.train.loop import (
     save_checkpoint,
     unavailable_so_far,
 )
-from fedhisto.train.stage import PROB_COLUMNS, STAGE, _write_history, run_identity, validate_outcome
+from fedhisto.train.stage import STAGE, finalise_run, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -267,31 +266,8 @@ class FederatedRun:
             raise ClientUnavailable(f"the evaluation site {self.eval_site} did not predict: {lost}")
         reply = ok[self.eval_site]
         ids, labels = list(reply["samples"]["ids"]), [int(y) for y in reply["samples"]["labels"]]
-        from fedhisto.train.loop import macro_f1
+        probs = {member: get_value(reply, f"probs:{member}") for member in best}
+        return finalise_run(self.out, ckpt, self.summary(), ids, labels, probs,
+                            {"dataset_identity": self.identity["dataset_identity"], "engine": "flower"})
 
-        rows, member_f1 = [], []
-        for member in best:
-            probs = get_value(reply, f"probs:{member}")
-            member_f1.append(macro_f1(probs, labels))
-            tag = {"model": member} if len(best) > 1 else {}
-            rows += [{"sample_id": i, "label": CLASSES[y], **dict(zip(PROB_COLUMNS, (f"{v:.8f}" for v in p.tolist()),
-                                                                   strict=True)), **tag}
-                     for i, y, p in zip(ids, labels, probs, strict=True)]
-        metric = sum(member_f1) / len(member_f1)
-        _write_history(self.out / "history.csv", ckpt["history"])
-        write_csv(self.out / "validation_predictions.csv", rows)
-        problems = validate_outcome(ckpt, metric)
-        summary = {**self.summary(), "rounds": ckpt["round"], "best_round": ckpt["best"]["round"],
-                   "early_stopped": ckpt["stopped"], "resumed_at_rounds": ckpt.get("resumed_at_rounds", []),
-                   "validation_macro_f1": metric, "unavailable_client_rounds": unavailable_so_far(ckpt),
-                   "unavailable": {h["round"]: h["unavailable_clients"] for h in ckpt["history"]
-                                   if h["unavailable_clients"]}}
-        if problems:
-            write_json(self.out / "failure.json", {**summary, "failed": "validation of checkpoint/report",
-                                                   "problems": problems})
-            self._status("failed")
-        else:
-            write_json(self.out / "report.json", summary)
-            self._status("finalised")
-        return summary
 

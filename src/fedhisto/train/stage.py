@@ -80,6 +80,38 @@ def _write_history(path: Path, history: list[dict]) -> None:
                            "member_macro_f1", "wall_s"])
 
 
+def finalise_run(out: Path, ckpt: dict, summary: dict, ids: list[str], labels: list[int],
+                 member_probs: dict[str, torch.Tensor], status_extra: dict) -> dict:
+    """Validation predictions of the best member states, history, report or failure, then status.json
+    (last: the Snakemake target). Shared by the in-process and the Flower engines."""
+    rows, member_f1 = [], []
+    for member, probs in member_probs.items():
+        member_f1.append(macro_f1(probs, labels))
+        tag = {"model": member} if len(member_probs) > 1 else {}
+        rows += [{"sample_id": i, "label": CLASSES[y], **dict(zip(PROB_COLUMNS, (f"{v:.8f}" for v in p.tolist()),
+                                                               strict=True)), **tag}
+                 for i, y, p in zip(ids, labels, probs, strict=True)]
+    metric = sum(member_f1) / len(member_f1)
+    _write_history(out / "history.csv", ckpt["history"])
+    write_csv(out / "validation_predictions.csv", rows)
+    problems = validate_outcome(ckpt, metric)
+    summary = {**summary, "rounds": ckpt["round"], "best_round": ckpt["best"]["round"],
+               "early_stopped": ckpt["stopped"], "resumed_at_rounds": ckpt.get("resumed_at_rounds", []),
+               "validation_macro_f1": metric, "unavailable_client_rounds": unavailable_so_far(ckpt),
+               "unavailable": {h["round"]: h["unavailable_clients"] for h in ckpt["history"] if h["unavailable_clients"]}}
+    if problems:
+        write_json(out / "failure.json", {**summary, "failed": "validation of checkpoint/report", "problems": problems,
+                                          "checkpoint_usable": all("tensor" not in p for p in problems)})
+        status = "failed"
+    else:
+        write_json(out / "report.json", summary)
+        status = "finalised"
+    write_json(out / "status.json", {"status": status, "method": summary["method"], "seed": summary["seed"],
+                                     **status_extra, "unavailable_client_rounds": summary["unavailable_client_rounds"],
+                                     "provenance": summary["provenance"]})
+    return summary
+
+
 def _set_aside_foreign_checkpoint(path: Path, identity: dict) -> None:
     """A checkpoint of another configuration is never resumed; the pipeline keeps it aside and starts over."""
     try:
@@ -124,33 +156,10 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
                                          "dataset_identity": dataset_identity, "provenance": prov})
         return {**summary, **failure}
     best = ckpt["best"]["members"]  # evaluation uses the validation-selected states
-    rows, member_f1 = [], []
+    member_probs = {}
     for member, state in best.items():
         model.load_trainable_state(state)
-        probs = predict(model, parts["validation"], descriptors["global"], cfg, device)
-        member_f1.append(macro_f1(probs, parts["validation"].labels))
-        tag = {"model": member} if len(best) > 1 else {}
-        rows += [{"sample_id": i, "label": CLASSES[y], **dict(zip(PROB_COLUMNS, (f"{v:.8f}" for v in p.tolist()),
-                                                               strict=True)), **tag}
-                 for i, y, p in zip(parts["validation"].ids, parts["validation"].labels, probs, strict=True)]
-    metric = sum(member_f1) / len(member_f1)
-    _write_history(out / "history.csv", ckpt["history"])
-    write_csv(out / "validation_predictions.csv", rows)
-    problems = validate_outcome(ckpt, metric)
-    summary.update({"rounds": ckpt["round"], "best_round": ckpt["best"]["round"], "early_stopped": ckpt["stopped"],
-                    "resumed_at_rounds": ckpt.get("resumed_at_rounds", []), "validation_macro_f1": metric,
-                    "unavailable_client_rounds": unavailable_so_far(ckpt),
-                    "unavailable": {h["round"]: h["unavailable_clients"] for h in ckpt["history"]
-                                    if h["unavailable_clients"]}})
-    if problems:
-        write_json(out / "failure.json", {**summary, "failed": "validation of checkpoint/report", "problems": problems,
-                                          "checkpoint_usable": all("tensor" not in p for p in problems)})
-        status = "failed"
-    else:
-        write_json(out / "report.json", summary)
-        status = "finalised"
-    write_json(out / "status.json", {"status": status, "method": method, "seed": seed,
-                                     "dataset_identity": dataset_identity,
-                                     "unavailable_client_rounds": summary["unavailable_client_rounds"],
-                                     "provenance": prov})
-    return summary
+        member_probs[member] = predict(model, parts["validation"], descriptors["global"], cfg, device)
+    return finalise_run(out, ckpt, summary, parts["validation"].ids, parts["validation"].labels, member_probs,
+                        {"dataset_identity": dataset_identity})
+
