@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from fedhisto.clearance.stage import FAMILY_COLUMNS
-from fedhisto.cohort import plan_cohort
 from fedhisto.config import load_config
 from fedhisto.manifest import (
     ManifestError,
@@ -19,6 +18,7 @@ from fedhisto.manifest import (
     sample_id,
 )
 from fedhisto.sources import SourceRow, write_sources_csv
+from fedhisto.synth.cohort import plan_cohort
 
 
 @pytest.mark.parametrize(

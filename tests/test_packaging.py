@@ -29,8 +29,10 @@ def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: 
     assert "pip install torch==2.13.0" in test_cmd and "pytest" in test_cmd
     ci_lines = [ln for ln in (repo / ".ci/run").read_text().splitlines() if ln and not ln.startswith(("#", "set ", "cd "))]
     text = (repo / "README.md").read_text()
-    slurm_proof = next(b.strip() for b in re.findall(r"```text\n(.*?)```", text, flags=re.S) if "pytest -m slurm" in b)
-    assert ci_lines == [test_cmd, "apt-get update -qq", slurm_proof]
+    blocks = re.findall(r"```text\n(.*?)```", text, flags=re.S)
+    slurm_proof = next(b.strip() for b in blocks if "pytest -m slurm" in b)
+    flower_proof = next(b.strip() for b in blocks if "pytest -m flower" in b)
+    assert ci_lines == [test_cmd, "apt-get update -qq", slurm_proof, flower_proof]
 
 
 def test_readme_cluster_command_is_the_one_the_slurm_test_runs(repo: Path):
