@@ -107,6 +107,24 @@ def test_changed_training_parameter_reruns_only_what_depends_on_it(workdir: Path
     assert not jobs & {"synthesize_cohort", "audit_duplicates", "build_manifest", "compute_stain_descriptors"}
 
 
+def test_local_only_flows_through_prediction_metrics_bootstrap_and_tables(workdir: Path):
+    """One model per client: predictions carry a model column, metrics and the bootstrap use the mean model.
+    (Runs before test_metrics_and_named_bootstrap, which removes results/bootstrap.)"""
+    import csv
+
+    with (workdir / "results/predictions/local_only/seed11/external.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted({r["model"] for r in rows}) == ["C1", "C2", "C3", "C4", "C5"] and len(rows) == 5 * 64
+    doc = json.loads((workdir / "results/bootstrap/v2_vs_local.json").read_text())
+    assert doc["ensemble"]["reference_models"] == ["C1", "C2", "C3", "C4", "C5"]
+    metrics = json.loads((workdir / "results/metrics/metrics.json").read_text())
+    assert metrics["ensembles"]["local_only"]["models"] == 5
+    assert doc["metrics"]["macro_f1"]["reference"] == pytest.approx(metrics["ensembles"]["local_only"]["macro_f1"])
+    assert "local_only" in (workdir / "results/tables/table4_internal.md").read_text()
+    comm = (workdir / "results/accounting/communication.csv").read_text()
+    assert any(line.startswith("local_only,") and ",0.000000," in line for line in comm.splitlines())
+
+
 def test_metrics_and_named_bootstrap(workdir: Path, repo: Path, snakemake_bin: str):
     summary = (workdir / "results/metrics/summary.csv").read_text()
     assert "fedavg_peft" in summary and "past_v2" in summary
@@ -125,23 +143,6 @@ def test_metrics_and_named_bootstrap(workdir: Path, repo: Path, snakemake_bin: s
     log = proc.stdout + proc.stderr
     assert "bootstrap_comparison" in log and "train_federated" not in log and "predict_cohorts" not in log
     assert json.loads((workdir / "results/bootstrap/v2_vs_fedavg.json").read_text())["metrics"] == doc["metrics"]
-
-
-def test_local_only_flows_through_prediction_metrics_bootstrap_and_tables(workdir: Path):
-    """One model per client: predictions carry a model column, metrics and the bootstrap use the mean model."""
-    import csv
-
-    with (workdir / "results/predictions/local_only/seed11/external.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    assert sorted({r["model"] for r in rows}) == ["C1", "C2", "C3", "C4", "C5"] and len(rows) == 5 * 64
-    doc = json.loads((workdir / "results/bootstrap/v2_vs_local.json").read_text())
-    assert doc["ensemble"]["reference_models"] == ["C1", "C2", "C3", "C4", "C5"]
-    metrics = json.loads((workdir / "results/metrics/metrics.json").read_text())
-    assert metrics["ensembles"]["local_only"]["models"] == 5
-    assert doc["metrics"]["macro_f1"]["reference"] == pytest.approx(metrics["ensembles"]["local_only"]["macro_f1"])
-    assert "local_only" in (workdir / "results/tables/table4_internal.md").read_text()
-    comm = (workdir / "results/accounting/communication.csv").read_text()
-    assert any(line.startswith("local_only,") and ",0.000000," in line for line in comm.splitlines())
 
 
 def test_tables_figures_and_html_report(workdir: Path, repo: Path, snakemake_bin: str):
