@@ -4,7 +4,8 @@ Tolerance: both engines run the same float32 math on the same micro-batches in t
 differ only in summation order (one concatenated encoder pass and batched matmuls instead of one
 pass per participant and view, gathered/accumulated gradients). Those are rounding differences of a
 few float32 ulps per operation (~1e-7 relative); through two local epochs of AdamW they stay far
-below 1e-4 absolute on tensors of order 1e-2..1 (measured: < 1e-5 for every method). AdamW
+below 1e-4 absolute on tensors of order 1e-2..1 (measured on 2 CPU threads: 1.3e-7 (fedstain) to
+2.5e-5 (v2_no_proto), most methods about 1e-6). AdamW
 normalises the update by sqrt(v), so a gradient that is exactly zero in one engine and 1e-12 in the
 other could differ by a whole learning-rate step (1e-3): the tolerance 1e-4 would catch that.
 Dropout is set to 0: the sequential engine draws dropout masks per participant in turn from the

@@ -230,14 +230,27 @@ def head_forward(model: FedHistoModel, params: dict[str, torch.Tensor], cls: tor
     return _grouped_linear(z, params["classifier.weight"], params["classifier.bias"]), z
 
 
+@contextmanager
+def member_pathway(model: FedHistoModel, method: Method, params: dict[str, torch.Tensor],
+                   layout: Layout) -> Iterator[None]:
+    """Both patches of the encoder (member LoRA, member restyling); enter once around many passes
+    (e.g. under torch.compile) and call ``stacked_forward(..., patched=True)`` inside."""
+    with lora_members(model, params, layout), member_restyle(model, method, layout):
+        yield
+
+
 def stacked_forward(model: FedHistoModel, method: Method, params: dict[str, torch.Tensor], layout: Layout,
-                    pixels: torch.Tensor, descriptors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    pixels: torch.Tensor, descriptors: torch.Tensor | None,
+                    patched: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One encoder pass over every group's rows with its member's LoRA, then the member heads.
 
     params: member-stacked trainable tensors (M, ...); descriptors: (M, 1, 14) or None.
     Returns logits (N, classes) and z (N, d) in row order."""
-    with lora_members(model, params, layout), member_restyle(model, method, layout):
+    if patched:
         cls = model.encoder(pixel_values=pixels).pooler_output
+    else:
+        with member_pathway(model, method, params, layout):
+            cls = model.encoder(pixel_values=pixels).pooler_output
     head = {n: p for n, p in params.items() if n.startswith(HEAD_PREFIXES)}
     if layout.uniform:
         g = {n: p[layout.index] for n, p in head.items()}
