@@ -134,3 +134,37 @@ def test_clipping_leaves_members_that_do_not_step_alone():
     assert norms.tolist() == pytest.approx([10 * 3**0.5] * 2)
     assert float(p["w"].grad[0].norm()) == pytest.approx(1.0, rel=1e-5)
     assert torch.equal(p["w"].grad[1], torch.full((3,), 10.0))
+
+
+@pytest.mark.parametrize("name", ["past_v2", "fedstain"])
+def test_a_round_of_the_loop_with_train_engine_batched_matches_sequential(name: str, tmp_path):
+    from fedhisto.train.loop import RunContext, run_rounds
+
+    _, method, _, device, jobs = round_inputs(name)
+    clients = {n: j.data for n, j in zip(["C1", "C2", "C3"], jobs, strict=False)}
+    desc = {n: j.descriptor for n, j in zip(clients, jobs, strict=False)}
+    desc["global"] = jobs[0].descriptor
+    ends = {}
+    for engine in ("sequential", "batched"):
+        c = load_config({**CFG, "train": {**CFG["train"], "max_rounds": 1, "engine": engine}})
+        torch.manual_seed(0)
+        m = FedHistoModel(random_encoder("tiny"), c.model, film=method.film)
+        ctx = RunContext(model=m, method=build_method(name, c), clients=clients, validation=split(6, 9),
+                         descriptors=desc, cfg=c, seed=11,
+                         identity={"method": name, "seed": 11, "config_hash": engine, "dataset_identity": "t",
+                                   "descriptor_digest": "t", "encoder_digest": "t"},
+                         device=device, checkpoint=tmp_path / f"{engine}.pt")
+        ends[engine] = run_rounds(ctx)
+    seq, bat = ends["sequential"]["members"]["global"], ends["batched"]["members"]["global"]
+    worst = max(float((seq[k] - bat[k]).abs().max()) for k in seq)
+    assert worst < ATOL, worst
+    assert ends["sequential"]["history"][0]["weights"] == pytest.approx(ends["batched"]["history"][0]["weights"],
+                                                                       rel=1e-4)
+
+
+def test_default_engine_leaves_the_run_identity_unchanged():
+    from fedhisto.stages import training_settings
+
+    assert "engine" not in training_settings(load_config(CFG), "past_v2")
+    batched = load_config({**CFG, "train": {**CFG["train"], "engine": "batched"}})
+    assert training_settings(batched, "past_v2")["engine"] == "batched"

@@ -215,33 +215,37 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     out = {
         "device": name, "encoder": encoder, "members": members, "micro_batch": micro, "accumulation_steps": accum,
         "pairs_per_member_step": micro * accum, "compile": compile, "iters": iters,
-        "matmul_tflops": round(peak, 3), "matmul_dtype": dtype,
-        "sequential_pairs_s": round(pairs / seq_s, 2), "batched_pairs_s": round(pairs / bat_s, 2),
-        "speedup": round(seq_s / bat_s, 3),
-        "inference_batch": inference_batch, "inference_images_s": round(inference_batch / inf_s, 2),
-        "peak_memory_gib": round(mem, 3), "peak_memory_kind": "device" if device.type == "cuda" else "process RSS",
-        "host_view_pairs_s": round(host_view_rate(crop), 2),
+        "matmul_tflops": _sig(peak), "matmul_dtype": dtype,
+        "sequential_pairs_s": _sig(pairs / seq_s), "batched_pairs_s": _sig(pairs / bat_s),
+        "speedup": _sig(seq_s / bat_s),
+        "inference_batch": inference_batch, "inference_images_s": _sig(inference_batch / inf_s),
+        "peak_memory_gib": _sig(mem), "peak_memory_kind": "device" if device.type == "cuda" else "process RSS",
+        "host_view_pairs_s": _sig(host_view_rate(crop)),
     }
     if step_flops is not None:
-        out["batched_tflops"] = round(step_flops / bat_s / 1e12, 4)
-        out["batched_ratio"] = round(step_flops / bat_s / 1e12 / peak, 4)
-    out["inference_tflops"] = round(inf_flops / inf_s / 1e12, 4)
-    out["inference_ratio"] = round(inf_flops / inf_s / 1e12 / peak, 4)
+        out["batched_tflops"] = _sig(step_flops / bat_s / 1e12)
+        out["batched_ratio"] = _sig(step_flops / bat_s / 1e12 / peak)
+    out["inference_tflops"] = _sig(inf_flops / inf_s / 1e12)
+    out["inference_ratio"] = _sig(inf_flops / inf_s / 1e12 / peak)
     return out
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 def format_table(r: dict) -> str:
     rows = [("device", r["device"]), ("encoder", f"{r['encoder']} ({r['members']} members, micro-batch "
                                                   f"{r['micro_batch']} x {r['accumulation_steps']})"),
             (f"matmul peak ({r['matmul_dtype']})", f"{r['matmul_tflops']:.3f} TFLOP/s"),
-            ("sequential engine", f"{r['sequential_pairs_s']:.1f} pairs/s"),
-            ("batched engine", f"{r['batched_pairs_s']:.1f} pairs/s ({r['speedup']:.2f}x)")]
+            ("sequential engine", f"{r['sequential_pairs_s']:.4g} pairs/s"),
+            ("batched engine", f"{r['batched_pairs_s']:.4g} pairs/s ({r['speedup']:.2f}x)")]
     if "batched_tflops" in r:
         rows.append(("batched model FLOP/s", f"{r['batched_tflops']:.4f} TFLOP/s ({100 * r['batched_ratio']:.1f} % of peak)"))
-    rows += [("inference", f"{r['inference_images_s']:.1f} images/s at batch {r['inference_batch']} "
+    rows += [("inference", f"{r['inference_images_s']:.4g} images/s at batch {r['inference_batch']} "
                            f"({100 * r['inference_ratio']:.1f} % of peak)"),
              (f"peak memory ({r['peak_memory_kind']})", f"{r['peak_memory_gib']:.2f} GiB"),
-             ("host views (1 process)", f"{r['host_view_pairs_s']:.1f} pairs/s")]
+             ("host views (1 process)", f"{r['host_view_pairs_s']:.4g} pairs/s")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
