@@ -84,7 +84,7 @@ def main() -> None:
         views = 2 if m.paired_views else 1
         pairs = cfg.train.local_epochs * sum(len(c) for c in clients.values()) * views / 2
         rows.append({"method": method, "engine": engine, "seconds_per_round": round(secs, 3),
-                     "pairs_per_s": round(pairs / secs, 2), "peak_gib": round(peak, 3), "device": name,
+                     "pairs_per_s": round(pairs / secs, 2), "peak_gib": round(peak, 3) if device.type == "cuda" else None, "device": name,
                      "images_per_client": args.images_per_client})
         print(f"| {method} | {engine} | {secs:.1f} | {pairs / secs:.1f} | {peak:.2f} |")
     if args.json:

@@ -11,7 +11,10 @@ One round, as the engines call the hooks:
    a method may first ask every participant for a pre-round upload (client
    ``upload_before_training``, e.g. FedStain's style statistics) and build payloads from them;
 2. client: the engine runs ``local_epochs`` of micro-batches; per batch ``batch_terms`` returns the
-   named loss terms (summed and back-propagated by the engine), inside ``local_session``;
+   named loss terms (summed and back-propagated by the engine), inside ``local_session``. It is
+   ``batch_inputs`` (the views), the forward, then ``terms_from_outputs`` (the loss): the batched
+   engine (``train.batched``) calls those two halves around one encoder pass for every member, and
+   applies ``restyle`` (feature restyling inside the encoder, FedStain's MixStyle) per member;
 3. server ``client_weights`` then ``aggregate_train``: the new state of every member;
 4. optional post-aggregation exchange (client ``upload_after_aggregation``, server
    ``aggregate_uploads``, e.g. prototypes), kept as the method's server state for the next round.
