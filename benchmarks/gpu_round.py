@@ -3,6 +3,7 @@
 Usage (on a machine with a GPU; also runs, slowly, on a CPU with small numbers)::
 
     python benchmarks/gpu_round.py [--images-per-client 64] [--methods fedavg_peft past_v2]
+        [--engines sequential batched] [--json rows.json]
 
 Builds the real PEFT model on a randomly initialised encoder of HIBOU-B's exact shape (timing
 does not depend on the weights, and no download is possible here), five clients with synthetic
@@ -13,7 +14,9 @@ validation pass of the training engine. Prints a Markdown table for docs/perform
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,17 +46,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images-per-client", type=int, default=64)
     parser.add_argument("--methods", nargs="*", default=["fedavg_peft", "past_v2"])
+    parser.add_argument("--engines", nargs="*", default=["sequential"], choices=["sequential", "batched"])
+    parser.add_argument("--json", default=None, help="also write the rows here as JSON")
     parser.add_argument("--out", default="/tmp/fedhisto_gpu_round")
     args = parser.parse_args()
     device = pick_device()
-    cfg = load_config({"train": {"max_rounds": 1, "patience": 10}})
+    base = {"train": {"max_rounds": 1, "patience": 10}}
     clients = {f"C{k}": synthetic_split(args.images_per_client, f"site{k}", k) for k in range(1, 6)}
     validation = synthetic_split(max(args.images_per_client // 2, 3), "site1", 99)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device: {name}; images per client: {args.images_per_client}; HIBOU-B shape, random weights")
-    print("| method | seconds per round | peak GPU memory (GiB) |")
-    print("|---|---|---|")
-    for method in args.methods:
+    print("| method | engine | seconds per round | paired-view pairs/s | peak GPU memory (GiB) |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for method, engine in [(m, e) for m in args.methods for e in args.engines]:
+        cfg = load_config({"train": {**base["train"], "engine": engine}})
         torch.manual_seed(0)
         m = build_method(method, cfg)
         model = FedHistoModel(random_encoder("hibou-b"), cfg.model, film=m.film).to(device)
@@ -63,7 +70,7 @@ def main() -> None:
                          cfg=cfg, seed=11, identity={"method": method, "seed": 11, "config_hash": "bench",
                                                      "dataset_identity": "bench", "descriptor_digest": "none",
                                                      "encoder_digest": "bench"},
-                         device=device, checkpoint=__import__("pathlib").Path(args.out) / f"{method}.pt")
+                         device=device, checkpoint=Path(args.out) / f"{method}-{engine}.pt")
         ctx.checkpoint.unlink(missing_ok=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -74,7 +81,14 @@ def main() -> None:
             torch.cuda.synchronize()
         secs = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        print(f"| {method} | {secs:.1f} | {peak:.2f} |")
+        views = 2 if m.paired_views else 1
+        pairs = cfg.train.local_epochs * sum(len(c) for c in clients.values()) * views / 2
+        rows.append({"method": method, "engine": engine, "seconds_per_round": round(secs, 3),
+                     "pairs_per_s": round(pairs / secs, 2), "peak_gib": round(peak, 3) if device.type == "cuda" else None, "device": name,
+                     "images_per_client": args.images_per_client})
+        print(f"| {method} | {engine} | {secs:.1f} | {pairs / secs:.1f} | {peak:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

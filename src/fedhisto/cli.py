@@ -206,6 +206,12 @@ def _federation_parsers(sub) -> None:
     p.set_defaults(func=_cmd_federate)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from fedhisto.bench import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedhisto", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fedhisto {__version__}")
@@ -240,6 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=method_names(), default="past_v2")
     p.set_defaults(func=_cmd_model_card)
     _federation_parsers(sub)
+
+    p = sub.add_parser("bench", help="pairs/s (sequential vs batched engine), inference images/s, peak memory, "
+                                     "ratio to a matmul peak measured in the same run")
+    p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="tiny")
+    p.add_argument("--members", type=int, default=5, help="members trained together (clients x seeds)")
+    p.add_argument("--micro-batch", type=int, default=4, help="paired images per member and micro-batch")
+    p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per optimiser step")
+    p.add_argument("--iters", type=int, default=None, help="timed micro-batch steps (default: two optimiser steps)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed micro-batch steps (default: one optimiser step)")
+    p.add_argument("--inference-batch", type=int, default=None, help="default 256 on a GPU, 32 on a CPU")
+    p.add_argument("--compile", action="store_true", help="torch.compile the encoder of the batched step")
+    p.add_argument("--json", metavar="PATH", help="also write the figures here as JSON")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

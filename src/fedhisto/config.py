@@ -225,6 +225,9 @@ class TrainConfig(Strict):
     cb_cap: float = Field(4.0, gt=0)
     max_unavailable_client_rounds: int = Field(
         5, ge=0, description="declared client unavailabilities tolerated in a run before it counts as failed")
+    engine: Literal["sequential", "batched"] = Field(
+        "sequential", description="[ours] local training one client after the other, or every client of a round in "
+                                  "one encoder pass (train.batched: same math, dropout masks drawn once for the stack)")
     past: PastConfig = PastConfig()
     fedstain: FedStainConfig = FedStainConfig()
     fedstain_code: FedStainCodeConfig = FedStainCodeConfig()

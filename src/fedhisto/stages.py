@@ -23,6 +23,8 @@ def training_settings(cfg: Config, method: str) -> dict[str, Any]:
     families = {registration(name).config_key for name in method_names()} - {None}
     for key in (*RUN_LISTS, *(families - {registration(method).config_key})):
         train.pop(key, None)
+    if train.get("engine") == "sequential":  # the default engine leaves existing run identities as they were
+        train.pop("engine")
     return train
 
 

@@ -11,7 +11,10 @@ One round, as the engines call the hooks:
    a method may first ask every participant for a pre-round upload (client
    ``upload_before_training``, e.g. FedStain's style statistics) and build payloads from them;
 2. client: the engine runs ``local_epochs`` of micro-batches; per batch ``batch_terms`` returns the
-   named loss terms (summed and back-propagated by the engine), inside ``local_session``;
+   named loss terms (summed and back-propagated by the engine), inside ``local_session``. It is
+   ``batch_inputs`` (the views), the forward, then ``terms_from_outputs`` (the loss): the batched
+   engine (``train.batched``) calls those two halves around one encoder pass for every member, and
+   applies ``restyle`` (feature restyling inside the encoder, FedStain's MixStyle) per member;
 3. server ``client_weights`` then ``aggregate_train``: the new state of every member;
 4. optional post-aggregation exchange (client ``upload_after_aggregation``, server
    ``aggregate_uploads``, e.g. prototypes), kept as the method's server state for the next round.
@@ -85,6 +88,18 @@ class Batch:
     epoch: int
     view_epoch: int
     number: int
+
+
+@dataclass
+class BatchInputs:
+    """What the model sees for one micro-batch: views forwarded in order (each (b, 3, H, W)) and, per
+    view, the method's feature-restyling spec or None (``Method.restyle``)."""
+
+    views: list[torch.Tensor]
+    restyle: list[Any] = field(default_factory=list)
+
+    def spec(self, k: int) -> Any:
+        return self.restyle[k] if k < len(self.restyle) else None
 
 
 def stream_rng(seed: int, *stream: int) -> np.random.Generator:
@@ -199,20 +214,40 @@ class Method:
         """Set-up around one participant's local epochs (e.g. a forward hook)."""
         yield
 
+    def batch_inputs(self, run: LocalRun, batch: Batch) -> BatchInputs:
+        """The views of one micro-batch the model sees, each (b, 3, H, W) on the host (default: one plain
+        view, or the two stain views of ``paired_views``). Engines forward them, then call
+        ``terms_from_outputs``: the sequential engine one view at a time, the batched engine
+        (``train.batched``) every member's views in one encoder pass."""
+        views = [training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
+                                self.paired_views) for i in batch.idx]
+        return BatchInputs([torch.stack([v[k] for v in views]) for k in range(len(views[0]))])
+
     def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
         """The named loss terms of one micro-batch; the engine sums them and back-propagates."""
-        cfg = run.cfg
-        views = [training_views(run.data.images[i], cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
-                                self.paired_views) for i in batch.idx]
+        inputs = self.batch_inputs(run, batch)
         with run.autocast():
-            outs = [run.model(torch.stack([v[k] for v in views]).to(run.device), run.descriptor)
-                    for k in range(len(views[0]))]
-        logits = [o[0].float() for o in outs]
-        zs = [o[1].float() for o in outs]
+            outs = [run.model(x.to(run.device), run.descriptor) for x in inputs.views]
+        return self.terms_from_outputs(run, batch, [o[0].float() for o in outs], [o[1].float() for o in outs])
+
+    def terms_from_outputs(self, run: LocalRun, batch: Batch, logits: list[torch.Tensor],
+                           zs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss terms from the views' float32 logits and embeddings (default: class-balanced CE
+        averaged over the views, plus ``extra_terms``)."""
         terms = {"ce": sum(balanced_cross_entropy(lg, batch.y, run.ce_weights, run.nominal_batch)
                            for lg in logits) / len(logits)}
         terms.update(self.extra_terms(run, batch, logits, zs))
         return terms
+
+    # A method whose forward restyles intermediate features (FedStain's MixStyle) names the encoder
+    # block and the per-view transform, so a batched engine can apply it to each member's rows alone.
+    def restyle_layer(self) -> int | None:
+        """Index of the encoder block after which ``restyle`` acts on views that carry a spec (default: none)."""
+        return None
+
+    def restyle(self, hidden: torch.Tensor, spec: Any) -> torch.Tensor:
+        """Restyle one view's token features (b, tokens, C) after ``restyle_layer`` as ``spec`` says."""
+        raise NotImplementedError(f"method {self.name!r} restyles no features")
 
     def extra_terms(self, run: LocalRun, batch: Batch, logits: list[torch.Tensor],
                     zs: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ token features of the ViT here. Pixel statistics for RandStain are taken in RGB 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,15 @@ from fedhisto.federated.fedstain import (
     style_traffic,
     upload_count,
 )
-from fedhisto.methods.base import Batch, LocalRun, LocalSchedule, Method, balanced_cross_entropy, named_rng
+from fedhisto.methods.base import (
+    Batch,
+    BatchInputs,
+    LocalRun,
+    LocalSchedule,
+    Method,
+    balanced_cross_entropy,
+    named_rng,
+)
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
 from fedhisto.views import eval_view, training_views
@@ -59,8 +67,7 @@ class FeatureStyle:
             _, _, skew, kurt = channel_moments(channels_first.detach())
             self.captured = (skew.cpu(), kurt.cpu())
         elif self.mode == "mix":
-            mixed = mixstyle_higher_order(channels_first, self.pool, self.rng, self.alpha).transpose(1, 2)
-            mixed = mixed.to(hidden.dtype)
+            mixed = restyle_tokens(hidden, self.pool, self.rng, self.alpha)
             return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
         return None
 
@@ -82,6 +89,11 @@ class FeatureStyle:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+def restyle_tokens(hidden: torch.Tensor, pool: StyleStats, rng: np.random.Generator, alpha: float) -> torch.Tensor:
+    """MixStyle (Algorithm 1) on token features (B, tokens, C), statistics per channel over the tokens."""
+    return mixstyle_higher_order(hidden.transpose(1, 2), pool, rng, alpha).transpose(1, 2).to(hidden.dtype)
 
 
 @contextmanager
@@ -127,33 +139,48 @@ def client_style_statistics(model: FedHistoModel, global_state: dict[str, torch.
     return StyleStats(mu, sd, skew, kurt)
 
 
-def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y: torch.Tensor, pool: StyleStats,
-                   ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
-                   device: torch.device, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
-    """Stage (b) for one batch: L = CE + alpha L_RA + beta L_JS (eq. 6) over X, X_stain, X(1), X(2).
+def fedstain_views(x: torch.Tensor, pool: StyleStats, cfg: Config, rng: np.random.Generator) -> BatchInputs:
+    """Stage (b)'s four views of one batch: X, X_stain, X(1), X(2), and MixStyle's spec for X(1), X(2).
 
-    CE is taken on the original view with the class-balanced weights every method here uses. A
-    switched-off augmentation (``randstain``, ``augmix``, ``mixstyle``) leaves its view(s) as X.
+    Draws from ``rng`` in the order RandStain, AugMix (both morphology views), then MixStyle of X(1)
+    and X(2) as they are forwarded. A switched-off augmentation (``randstain``, ``augmix``,
+    ``mixstyle``) leaves its view(s) as X.
     """
     fs = cfg.train.fedstain
     unit = to_unit(x, cfg.views)
     stained = from_unit(randstain(unit, pool, rng), cfg.views) if fs.randstain else x
     morph = [from_unit(torch.stack([augmix(img, rng, fs.augmix_width, fs.augmix_depth) for img in unit]), cfg.views)
              if fs.augmix else x for _ in range(2)]
-    logits, zs = [], []
-    for k, view in enumerate([x, stained, *morph]):
-        if k >= 2 and fs.mixstyle:
-            with hook.mixing(pool, rng, fs.mixstyle_alpha):
-                lg, z = model(view.to(device))
-        else:
-            lg, z = model(view.to(device))
-        logits.append(lg.float())
-        zs.append(z.float())
+    mix = (pool, rng, fs.mixstyle_alpha) if fs.mixstyle else None
+    return BatchInputs([x, stained, *morph], [None, None, mix, mix])
+
+
+def fedstain_loss(logits: list[torch.Tensor], zs: list[torch.Tensor], y: torch.Tensor, ce_weights: torch.Tensor,
+                  cfg: Config, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
+    """L = CE + alpha L_RA + beta L_JS (eq. 6); CE on the original view with the class-balanced weights
+    every method here uses."""
+    fs = cfg.train.fedstain
     return {
         "ce": balanced_cross_entropy(logits[0], y, ce_weights, nominal_batch),
         "supcon": fs.weight_supcon * representation_alignment(zs[0], zs[1:], y, fs.supcon_tau),
         "js": fs.weight_js * js_multi(logits),
     }
+
+
+def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y: torch.Tensor, pool: StyleStats,
+                   ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
+                   device: torch.device, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
+    """Stage (b) for one batch: the four views (``fedstain_views``) forwarded one at a time, MixStyle
+    through ``hook`` on the views that carry its spec, then ``fedstain_loss``."""
+    inputs = fedstain_views(x, pool, cfg, rng)
+    logits, zs = [], []
+    for k, view in enumerate(inputs.views):
+        spec = inputs.spec(k)
+        with hook.mixing(*spec) if spec is not None else nullcontext():
+            lg, z = model(view.to(device))
+        logits.append(lg.float())
+        zs.append(z.float())
+    return fedstain_loss(logits, zs, y, ce_weights, cfg, nominal_batch)
 
 
 class FedStain(Method):
@@ -199,6 +226,21 @@ class FedStain(Method):
         with run.autocast():
             return fedstain_terms(run.model, run.scratch["hook"], x, batch.y, run.payload["style_pool"],
                                   run.ce_weights, run.cfg, rng, run.device, run.nominal_batch)
+
+    # the batched engine's half: the same views and loss, MixStyle applied per member by the engine
+    def batch_inputs(self, run: LocalRun, batch: Batch) -> BatchInputs:
+        x, rng = self.plain_views(run, batch)
+        return fedstain_views(x, run.payload["style_pool"], run.cfg, rng)
+
+    def terms_from_outputs(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
+        with run.autocast():
+            return fedstain_loss(logits, zs, batch.y, run.ce_weights, run.cfg, run.nominal_batch)
+
+    def restyle_layer(self) -> int | None:
+        return self.settings.mixstyle_after_layer
+
+    def restyle(self, hidden: torch.Tensor, spec) -> torch.Tensor:
+        return restyle_tokens(hidden, *spec)
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
         return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio)}

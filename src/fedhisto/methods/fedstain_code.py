@@ -31,7 +31,7 @@ from fedhisto.federated.fedstain_code import (
     pixel_style_shift,
     quantise_unit,
 )
-from fedhisto.methods.base import Batch, LocalRun, Method, balanced_cross_entropy
+from fedhisto.methods.base import Batch, BatchInputs, LocalRun, Method, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
@@ -69,21 +69,28 @@ def generated_views(x: torch.Tensor, pool: PixelMoments, settings: FedStainCodeC
     return out
 
 
-def fedstain_code_terms(model: FedHistoModel, x: torch.Tensor, y: torch.Tensor, pool: PixelMoments,
-                        ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
-                        device: torch.device, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
-    """One batch: CE summed over (original, generated, generated) + lambda2 JS + lambda1 SupCon."""
+def fedstain_code_loss(logits: list[torch.Tensor], zs: list[torch.Tensor], y: torch.Tensor,
+                       ce_weights: torch.Tensor, cfg: Config, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
+    """CE summed over (original, generated, generated) + lambda2 JS + lambda1 SupCon of each generated
+    view against the original."""
     s = cfg.train.fedstain_code
-    logits, zs = [], []
-    for view in [x, *generated_views(x, pool, s, cfg, rng)]:
-        lg, z = model(view.to(device))
-        logits.append(lg.float())
-        zs.append(z.float())
     return {
         "ce": sum(balanced_cross_entropy(lg, y, ce_weights, nominal_batch) for lg in logits),
         "supcon": s.weight_supcon * representation_alignment(zs[0], zs[1:], y, s.supcon_tau, include_self=True),
         "js": s.weight_js * js_multi(logits, eps=JS_EPS),
     }
+
+
+def fedstain_code_terms(model: FedHistoModel, x: torch.Tensor, y: torch.Tensor, pool: PixelMoments,
+                        ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
+                        device: torch.device, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
+    """One batch: the three views forwarded one at a time, then ``fedstain_code_loss``."""
+    logits, zs = [], []
+    for view in [x, *generated_views(x, pool, cfg.train.fedstain_code, cfg, rng)]:
+        lg, z = model(view.to(device))
+        logits.append(lg.float())
+        zs.append(z.float())
+    return fedstain_code_loss(logits, zs, y, ce_weights, cfg, nominal_batch)
 
 
 class FedStainCode(FedStain):
@@ -105,6 +112,17 @@ class FedStainCode(FedStain):
         with run.autocast():
             return fedstain_code_terms(run.model, x, batch.y, run.payload["style_pool"], run.ce_weights, run.cfg,
                                        rng, run.device, run.nominal_batch)
+
+    # the batched engine's half: the same three views and loss; nothing restyles features
+    def batch_inputs(self, run: LocalRun, batch: Batch) -> BatchInputs:
+        x, rng = self.plain_views(run, batch)
+        return BatchInputs([x, *generated_views(x, run.payload["style_pool"], self.settings, run.cfg, rng)])
+
+    def terms_from_outputs(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
+        return fedstain_code_loss(logits, zs, batch.y, run.ce_weights, run.cfg, run.nominal_batch)
+
+    def restyle_layer(self) -> int | None:
+        return None
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
         """Up: floor(r n_i) rows of 3 pixel skewness + 3 pixel kurtosis floats; down: the others' rows."""

@@ -143,6 +143,32 @@ def _client_step(ctx: RunContext, name: str, round_idx: int, fn, inject: bool = 
         raise ClientFailure(name, round_idx, exc) from exc
 
 
+def _batched_clients(ctx: RunContext, members: dict, payloads: dict, unavailable: dict[str, str], r: int) -> dict:
+    """Every available client's local epochs in one batched pass (``train.batched``); injected faults
+    are resolved per client first, an error inside the pass names every client of it."""
+    from fedhisto.train.batched import MemberJob, batched_local_train
+
+    method, names = ctx.method, sorted(ctx.clients)
+    jobs, order = [], []
+    for k, name in enumerate(names):
+        if name in unavailable:
+            continue
+        try:
+            _client_step(ctx, name, r, lambda: None)
+        except ClientUnavailable as exc:
+            log.warning("round %d: client %s unavailable: %s", r + 1, name, exc)
+            unavailable[name] = str(exc)
+            continue
+        jobs.append(MemberJob(method.start_state(members, name), ctx.clients[name], ctx.descriptors[name],
+                              payloads[name], ctx.seed, r, k))
+        order.append(name)
+    if not jobs:
+        return {}
+    out = _client_step(ctx, ",".join(order), r, lambda: batched_local_train(method, ctx.model, jobs, ctx.cfg,
+                                                                            ctx.device), inject=False)
+    return dict(zip(order, out, strict=True))
+
+
 def train_round(ctx: RunContext, ckpt: dict, r: int) -> dict:
     """One round; returns the history row and updates ``ckpt`` (members, server state)."""
     method, names = ctx.method, sorted(ctx.clients)
@@ -158,8 +184,10 @@ def train_round(ctx: RunContext, ckpt: dict, r: int) -> dict:
             unavailable[name] = str(exc)
     payloads = method.configure_train(r, ckpt["server_state"], uploads)
     results = {}
+    if ctx.cfg.train.engine == "batched":
+        results = _batched_clients(ctx, members, payloads, unavailable, r)
     for k, name in enumerate(names):
-        if name in unavailable:
+        if name in unavailable or ctx.cfg.train.engine == "batched":
             continue
         try:
             results[name] = _client_step(ctx, name, r, lambda name=name, k=k: local_train(
