@@ -275,27 +275,31 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     t = cfg.train
     if not jobs:
         return []
+    plan = method.local_schedule(jobs[0].round_idx)
+    if plan.optimizer != "adamw":
+        raise NotImplementedError(f"{method.name}: the batched engine implements AdamW, this schedule asks for "
+                                  f"{plan.optimizer!r}; use train.engine: sequential")
     torch.manual_seed(int(named_rng("torch", jobs[0].seed, jobs[0].round_idx, jobs[0].client_idx).integers(2**62)))
     model.train()
     n_members = len(jobs)
     params = stack_states([j.start_state for j in jobs], device)
-    opt = StackedAdamW(params, t.lr, t.weight_decay)
+    opt = StackedAdamW(params, plan.lr, plan.weight_decay)
     descriptors = (torch.stack([j.descriptor.to(device)[None] for j in jobs])
                    if all(j.descriptor is not None for j in jobs) else None)
     runs = [LocalRun(model=model, data=j.data,
                      descriptor=j.descriptor.to(device)[None] if j.descriptor is not None else None,
                      payload=j.payload, start_state={k: v.to(device) for k, v in j.start_state.items()},
                      params={}, ce_weights=class_balanced_weights(j.data.class_counts(), t.cb_beta, t.cb_cap).to(device),
-                     cfg=cfg, seed=j.seed, round_idx=j.round_idx, client_idx=j.client_idx, device=device)
+                     nominal_batch=plan.micro_batch, cfg=cfg, seed=j.seed, round_idx=j.round_idx, client_idx=j.client_idx, device=device)
             for j in jobs]
-    micro, accum = method.batch_shape()
+    micro, accum = plan.micro_batch, plan.accumulation
     sums: list[dict[str, torch.Tensor]] = [{} for _ in jobs]
     steps = [0] * n_members
     autocast = runs[0].autocast
     with ExitStack() as stack:
         for run in runs:
             stack.enter_context(method.local_session(run))
-        for epoch in range(t.local_epochs):
+        for epoch in range(plan.epochs):
             batches = []
             for j in jobs:
                 order = named_rng("order", j.seed, j.round_idx, j.client_idx, epoch).permutation(len(j.data))
@@ -309,7 +313,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                     j, idx = jobs[m], batches[m][b]
                     runs[m].params = {n: s[m] for n, s in slices.items()}
                     y = torch.tensor([j.data.labels[i] for i in idx], device=device)
-                    members_batches[m] = Batch(idx, y, epoch, j.round_idx * t.local_epochs + epoch, b)
+                    members_batches[m] = Batch(idx, y, epoch, j.round_idx * plan.epochs + epoch, b)
                     inputs[m] = method.batch_inputs(runs[m], members_batches[m])
                 n_views = len(inputs[active[0]].views)
                 layout = Layout()
