@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
@@ -40,10 +39,9 @@ from fedhisto.train.loop import (
     ClientFailure,
     ClientUnavailable,
     TooManyUnavailable,
+    close_round,
     fresh_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    unavailable_so_far,
+    start_or_resume,
 )
 from fedhisto.train.stage import STAGE, finalise_run, run_identity
 
@@ -199,38 +197,18 @@ class FederatedRun:
     # ------------------------------------------------------------------ the run
     def run(self, ex: Exchange) -> dict:
         t = self.cfg.train
-        ckpt = load_checkpoint(self.checkpoint, self.identity)
-        if ckpt is not None:
-            log.info("resuming %s seed %d after round %d", self.method.name, self.seed, ckpt["round"])
-            ckpt.setdefault("resumed_at_rounds", []).append(ckpt["round"])
-        else:
-            ctx = type("Ctx", (), {"model": self.model, "method": self.method, "clients": dict.fromkeys(self.sites),
-                                   "identity": self.identity})
-            ckpt = fresh_checkpoint(ctx)
+        ckpt = start_or_resume(self.checkpoint, self.identity,
+                               lambda: fresh_checkpoint(self.model, self.method, self.sites, self.identity))
         self._event(event="start", round=ckpt["round"])
         while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
             r = ckpt["round"]
             start = time.perf_counter()
             row = self.round(ex, ckpt, r)
             member_metrics = row.pop("member_metrics")
-            val = float(np.mean(list(member_metrics.values())))
-            improved = val > ckpt["best"]["metric"] + t.min_delta
-            if improved:
-                ckpt["best"] = {"members": ckpt["members"], "server_state": ckpt["server_state"], "round": r + 1,
-                                "metric": val, "member_metrics": member_metrics}
-            ckpt.update(round=r + 1, bad_rounds=0 if improved else ckpt["bad_rounds"] + 1)
-            ckpt["stopped"] = ckpt["bad_rounds"] >= t.patience
-            ckpt["history"].append({"round": r + 1, "val_macro_f1": val, "best": improved, **row,
-                                    "member_metrics": member_metrics, "wall_s": round(time.perf_counter() - start, 3)})
-            save_checkpoint(self.checkpoint, ckpt)
+            val = close_round(ckpt, self.cfg, r, row, member_metrics, start, self.checkpoint)
             if self.after_round is not None:
                 self.after_round()
             self._event(event="checkpoint", round=r + 1, val=val, unavailable=sorted(row["unavailable_clients"]))
-            log.info("round %d/%d: validation macro-F1 %.4f, %d client(s) unavailable, checkpoint saved", r + 1,
-                     t.max_rounds, val, len(row["unavailable_clients"]))
-            if unavailable_so_far(ckpt) > t.max_unavailable_client_rounds:
-                raise TooManyUnavailable(f"{unavailable_so_far(ckpt)} unavailable client-rounds exceed "
-                                         f"train.max_unavailable_client_rounds={t.max_unavailable_client_rounds}")
             if self.pause and ckpt["round"] < t.max_rounds and not ckpt["stopped"]:
                 time.sleep(self.pause)  # a window between rounds (tests restart the SuperLink in it)
         return ckpt

@@ -117,12 +117,47 @@ def validate_members(ctx: RunContext, members: dict[str, dict[str, torch.Tensor]
     return out
 
 
-def fresh_checkpoint(ctx: RunContext) -> dict:
-    state = ctx.model.trainable_state()
-    members = {m: state for m in ctx.method.members(sorted(ctx.clients))}
-    return {"format": CHECKPOINT_FORMAT, "identity": ctx.identity, "round": 0, "members": members,
+def fresh_checkpoint(model: FedHistoModel, method: Method, participants: list[str], identity: dict) -> dict:
+    state = model.trainable_state()
+    members = {m: state for m in method.members(sorted(participants))}
+    return {"format": CHECKPOINT_FORMAT, "identity": identity, "round": 0, "members": members,
             "server_state": None, "best": {"members": members, "server_state": None, "round": 0, "metric": -1.0},
             "bad_rounds": 0, "stopped": False, "history": []}
+
+
+def start_or_resume(path: Path, identity: dict, fresh) -> dict:
+    """The checkpoint to continue from (its resume recorded), or ``fresh()``."""
+    ckpt = load_checkpoint(path, identity)
+    if ckpt is None:
+        return fresh()
+    log.info("resuming %s seed %d from %s after round %d", identity["method"], identity["seed"], path, ckpt["round"])
+    ckpt.setdefault("resumed_at_rounds", []).append(ckpt["round"])
+    return ckpt
+
+
+def close_round(ckpt: dict, cfg: Config, r: int, row: dict, member_metrics: dict[str, float], start: float,
+                path: Path) -> float:
+    """Early stopping on the mean member validation macro-F1, the history row, the atomic checkpoint, and
+    the unavailability budget; shared by the in-process and Flower engines. Returns the metric."""
+    t = cfg.train
+    val = float(np.mean(list(member_metrics.values())))
+    improved = val > ckpt["best"]["metric"] + t.min_delta
+    if improved:
+        ckpt["best"] = {"members": ckpt["members"], "server_state": ckpt["server_state"], "round": r + 1,
+                        "metric": val, "member_metrics": member_metrics}
+    ckpt.update(round=r + 1, bad_rounds=0 if improved else ckpt["bad_rounds"] + 1)
+    ckpt["stopped"] = ckpt["bad_rounds"] >= t.patience
+    ckpt["history"].append({"round": r + 1, "val_macro_f1": val, "best": improved, **row,
+                            "member_metrics": member_metrics, "wall_s": round(time.perf_counter() - start, 3)})
+    save_checkpoint(path, ckpt)
+    # one line per round in the rule log: a cluster user sees progress and where a resume will start
+    log.info("round %d/%d: validation macro-F1 %.4f (best %.4f at round %d), %d client(s) unavailable, "
+             "checkpoint saved", r + 1, t.max_rounds, val, ckpt["best"]["metric"], ckpt["best"]["round"],
+             len(row["unavailable_clients"]))
+    if unavailable_so_far(ckpt) > t.max_unavailable_client_rounds:
+        raise TooManyUnavailable(f"{unavailable_so_far(ckpt)} unavailable client-rounds exceed "
+                                 f"train.max_unavailable_client_rounds={t.max_unavailable_client_rounds}")
+    return val
 
 
 def unavailable_so_far(ckpt: dict) -> int:
@@ -215,41 +250,19 @@ def train_round(ctx: RunContext, ckpt: dict, r: int) -> dict:
 
 def run_rounds(ctx: RunContext) -> dict:
     t = ctx.cfg.train
-    ckpt = load_checkpoint(ctx.checkpoint, ctx.identity)
-    if ckpt is not None:
-        log.info("resuming %s seed %d from %s after round %d", ctx.identity["method"], ctx.seed, ctx.checkpoint,
-                 ckpt["round"])
-        ckpt.setdefault("resumed_at_rounds", []).append(ckpt["round"])
-    else:
-        ckpt = fresh_checkpoint(ctx)
+    ckpt = start_or_resume(ctx.checkpoint, ctx.identity,
+                           lambda: fresh_checkpoint(ctx.model, ctx.method, list(ctx.clients), ctx.identity))
     bar = tqdm(total=t.max_rounds, initial=ckpt["round"], desc=f"{ctx.identity['method']} s{ctx.seed}", unit="round")
-    while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
-        r = ckpt["round"]
-        start = time.perf_counter()
-        row = train_round(ctx, ckpt, r)
-        member_metrics = validate_members(ctx, ckpt["members"])
-        val = float(np.mean(list(member_metrics.values())))
-        improved = val > ckpt["best"]["metric"] + t.min_delta
-        if improved:
-            ckpt["best"] = {"members": ckpt["members"], "server_state": ckpt["server_state"], "round": r + 1,
-                            "metric": val, "member_metrics": member_metrics}
-        ckpt.update(round=r + 1, bad_rounds=0 if improved else ckpt["bad_rounds"] + 1)
-        ckpt["stopped"] = ckpt["bad_rounds"] >= t.patience
-        ckpt["history"].append({"round": r + 1, "val_macro_f1": val, "best": improved, **row,
-                                "member_metrics": member_metrics, "wall_s": round(time.perf_counter() - start, 3)})
-        save_checkpoint(ctx.checkpoint, ckpt)
-        # one line per round in the rule log: a cluster user sees progress and where a resume will start
-        log.info("round %d/%d: validation macro-F1 %.4f (best %.4f at round %d), %d client(s) unavailable, "
-                 "checkpoint saved", r + 1, t.max_rounds, val, ckpt["best"]["metric"], ckpt["best"]["round"],
-                 len(row["unavailable_clients"]))
-        bar.update()
-        bar.set_postfix(val_f1=f"{val:.3f}", best=f"{ckpt['best']['metric']:.3f}")
-        if unavailable_so_far(ckpt) > t.max_unavailable_client_rounds:
-            bar.close()
-            raise TooManyUnavailable(f"{unavailable_so_far(ckpt)} unavailable client-rounds exceed "
-                                     f"train.max_unavailable_client_rounds={t.max_unavailable_client_rounds}")
-        if ctx.stop_after_round is not None and ckpt["round"] >= ctx.stop_after_round and not ckpt["stopped"]:
-            bar.close()
-            raise KeyboardInterrupt(f"stopped after round {ckpt['round']} (simulated kill)")
-    bar.close()
+    try:
+        while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
+            r = ckpt["round"]
+            start = time.perf_counter()
+            row = train_round(ctx, ckpt, r)
+            val = close_round(ckpt, ctx.cfg, r, row, validate_members(ctx, ckpt["members"]), start, ctx.checkpoint)
+            bar.update()
+            bar.set_postfix(val_f1=f"{val:.3f}", best=f"{ckpt['best']['metric']:.3f}")
+            if ctx.stop_after_round is not None and ckpt["round"] >= ctx.stop_after_round and not ckpt["stopped"]:
+                raise KeyboardInterrupt(f"stopped after round {ckpt['round']} (simulated kill)")
+    finally:
+        bar.close()
     return ckpt
