@@ -55,9 +55,9 @@ TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "ada
         "views": {"crop_size": 48}, "train": {"max_rounds": 4, "patience": 10, "lr": 1e-3}}
 
 
-@pytest.fixture(scope="session")
-def prepared(tmp_path_factory) -> dict:
-    """A rendered small cohort, a manifest of its originals, and stain descriptors."""
+def prepare_cohort(root: Path, tiny: dict) -> dict:
+    """A rendered small cohort, a manifest of its originals (every image its own family) and stain
+    descriptors, under ``root``, with ``tiny`` as the config."""
     from fedhisto.clearance.stage import FAMILY_COLUMNS
     from fedhisto.cohort import run_cohort
     from fedhisto.config import CohortConfig, PlantedFamilies, SyntheticCohort, load_config
@@ -65,10 +65,8 @@ def prepared(tmp_path_factory) -> dict:
     from fedhisto.sources import read_sources_csv
     from fedhisto.stain import run_stain
 
-    root = tmp_path_factory.mktemp("train")
     cohort = CohortConfig(synthetic=SyntheticCohort(planted=PlantedFamilies(families_per_site=0)))
     run_cohort(cohort, root / "cohort", threads=2)
-
     rows = read_sources_csv(root / "cohort/sources.csv")
     with (root / "families.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=FAMILY_COLUMNS)
@@ -77,12 +75,18 @@ def prepared(tmp_path_factory) -> dict:
             w.writerow({"relpath": r.relpath, "path": r.path, "label": r.label, "site": r.site, "cohort": r.cohort,
                         "sha256": f"s{k}", "family": f"f{k}", "family_size": 1, "representative": True, "keep": True})
     (root / "edges.csv").write_text("a,b,stage,score,threshold,decision\n")
-    cfg = load_config(TINY)
+    cfg = load_config(tiny)
     run_manifest(root / "cohort/sources.csv", root / "families.csv", root / "edges.csv", cfg, root / "manifest")
     run_stain(root / "manifest/manifest.csv", cfg, root / "stain")
-    (root / "config.yaml").write_text(yaml.safe_dump(TINY))
-    return {"root": root, "cfg": cfg, "manifest": root / "manifest/manifest.csv",
-            "identity": root / "manifest/manifest.json", "descriptors": root / "stain/descriptors.json"}
+    (root / "config.yaml").write_text(yaml.safe_dump(tiny))
+    return {"root": root, "cfg": cfg, "config": root / "config.yaml", "manifest": root / "manifest/manifest.csv",
+            "identity": root / "manifest/manifest.json", "descriptors": root / "stain/descriptors.json",
+            "images": root / "cohort"}
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> dict:
+    return prepare_cohort(tmp_path_factory.mktemp("train"), TINY)
 
 
 def train(prepared: dict, method: str, out: Path, cfg=None, **hooks) -> dict:

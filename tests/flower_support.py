@@ -3,16 +3,10 @@ this process (no Ray, no SuperLink) so the message path is tested in seconds."""
 
 from __future__ import annotations
 
-import csv
 import itertools
 from pathlib import Path
 
-import yaml
-
-from fedhisto.cohort import run_cohort
-from fedhisto.config import CohortConfig, PlantedFamilies, SyntheticCohort, load_config
-from fedhisto.manifest import run_manifest
-from fedhisto.stain import run_stain
+from conftest import prepare_cohort
 
 TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
         "views": {"crop_size": 48}, "train": {"max_rounds": 2, "patience": 10, "lr": 1e-3}}
@@ -20,27 +14,8 @@ SITES = ["C1", "C2", "C3", "C4", "C5"]
 
 
 def prepare(root: Path) -> dict:
-    """A rendered small cohort, a manifest of its originals and stain descriptors (as tests/test_train.py)."""
-    cohort = CohortConfig(synthetic=SyntheticCohort(planted=PlantedFamilies(families_per_site=0)))
-    run_cohort(cohort, root / "cohort", threads=2)
-    from fedhisto.clearance.stage import FAMILY_COLUMNS
-    from fedhisto.sources import read_sources_csv
-
-    rows = read_sources_csv(root / "cohort/sources.csv")
-    with (root / "families.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FAMILY_COLUMNS)
-        w.writeheader()
-        for k, r in enumerate(rows):
-            w.writerow({"relpath": r.relpath, "path": r.path, "label": r.label, "site": r.site, "cohort": r.cohort,
-                        "sha256": f"s{k}", "family": f"f{k}", "family_size": 1, "representative": True, "keep": True})
-    (root / "edges.csv").write_text("a,b,stage,score,threshold,decision\n")
-    cfg = load_config(TINY)
-    run_manifest(root / "cohort/sources.csv", root / "families.csv", root / "edges.csv", cfg, root / "manifest")
-    run_stain(root / "manifest/manifest.csv", cfg, root / "stain")
-    (root / "config.yaml").write_text(yaml.safe_dump(TINY))
-    return {"root": root, "cfg": cfg, "config": root / "config.yaml", "manifest": root / "manifest/manifest.csv",
-            "identity": root / "manifest/manifest.json", "descriptors": root / "stain/descriptors.json",
-            "images": root / "cohort"}
+    """The training tests' small prepared cohort (conftest.prepare_cohort), two rounds."""
+    return prepare_cohort(root, TINY)
 
 
 class LocalGrid:
