@@ -39,6 +39,7 @@ from fedhisto.stages import stage_block
 from fedhisto.targets import (
     demand_rows,
     fit_factor,
+    holdout_count,
     scale,
     scaling_warning,
     shortfall_lines,
@@ -60,12 +61,6 @@ class ManifestError(RuntimeError):
 def sample_id(relpath: str) -> str:
     """Stable id from the portable relative path (moving the data keeps ids)."""
     return hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:16]
-
-
-def holdout_count(n: int, fraction: float) -> int:
-    """``round(frac * n)`` half-to-even, leaving at least one optimisation image when n >= 2."""
-    h = round(fraction * n)
-    return min(h, n - 1) if n >= 2 else h
 
 
 def _order(ids: list[str], seed: int, *stream: int) -> list[str]:

@@ -94,11 +94,15 @@ def shortfall_message(rows: list[dict], family_policy: str) -> str:
         *shortfall_lines(rows), ways_out(family_policy, fit_factor(rows))])
 
 
+def holdout_count(n: int, fraction: float) -> int:
+    """``round(frac * n)`` half-to-even, leaving at least one optimisation image when n >= 2."""
+    h = round(fraction * n)
+    return min(h, n - 1) if n >= 2 else h
+
+
 # ------------------------------------------------------------------ Table 2 as built
 def study_table2() -> dict[tuple[str, str], tuple[int, ...]]:
     """The study's Table 2 (PartitionTargets and ManifestConfig defaults), holdouts derived as in the stage."""
-    from fedhisto.manifest import holdout_count
-
     t, fractions = PartitionTargets(), ManifestConfig().holdout_fraction
     out: dict[tuple[str, str], tuple[int, ...]] = {}
     for client, pool in sorted(t.clients.items()):

@@ -7,7 +7,7 @@ your own with :func:`register` (a class or ``"module:Class"``), as README's "Add
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fedhisto.methods.registry import (
     Registration,
@@ -17,10 +17,6 @@ from fedhisto.methods.registry import (
     unregister,
     wildcard_pattern,
 )
-
-if TYPE_CHECKING:
-    from fedhisto.config import Config
-    from fedhisto.methods.base import Method
 
 __all__ = ["Registration", "build_method", "method_names", "register", "registration", "unregister",
            "wildcard_pattern"]
@@ -49,7 +45,9 @@ register("local_only", "fedhisto.methods.local_only:LocalOnly")
 register("pooled", "fedhisto.methods.pooled:Pooled")
 
 
-def build_method(name: str, cfg: Config) -> Method:
-    """The method object of a run: its registered class with its registered options."""
+def build_method(name: str, cfg: Any) -> Any:
+    """The method object of a run (a ``methods.base.Method``) for a ``config.Config``: its registered class
+    with its registered options. Untyped here so that this package imports neither (config validates
+    method names against this registry)."""
     reg = registration(name)
     return reg.method_class()(name, cfg, reg.config_key, **reg.options)
