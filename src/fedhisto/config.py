@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from fedhisto import CLASSES
-from fedhisto.config_base import ConfigError, Strict
+from fedhisto.config_base import ConfigError, Method, Strict
+from fedhisto.config_experiments import ExperimentsConfig
 from fedhisto.config_methods import FedStainCodeConfig, FedStainConfig, PastConfig
 
 ClassName = Literal["ACA", "Normal", "SCC"]
@@ -94,7 +95,7 @@ class ClearanceConfig(Strict):
     n_features: int = Field(400, ge=50, description="keypoints per image for local-feature verification")
     ratio_test: float = Field(0.75, gt=0, lt=1)
     min_inliers: int = Field(10, ge=4, description="RANSAC inliers that confirm a pair (unrelated tissue: <= 5)")
-    family_policy: Literal["representatives", "whole_families"] = "representatives"
+    family_policy: Literal["representatives", "whole_families", "ignore_families"] = "representatives"
 
 
 # ------------------------------------------------------------------- manifest
@@ -195,15 +196,7 @@ class ModelConfig(Strict):
 
 # ---------------------------------------------------------------------- train
 # Each method family's settings block (train.past, train.fedstain, ...) lives in config_methods.
-def _registered_method(name: str) -> str:
-    from fedhisto.methods import method_names
 
-    if name not in method_names():
-        raise ValueError(f"unknown method {name!r}; registered: {', '.join(method_names())}")
-    return name
-
-
-Method = Annotated[str, AfterValidator(_registered_method)]
 
 
 class TrainConfig(Strict):
@@ -278,6 +271,7 @@ class Config(Strict):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
+    experiments: ExperimentsConfig = ExperimentsConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:

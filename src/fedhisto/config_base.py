@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 
 class Strict(BaseModel):
@@ -11,3 +13,14 @@ class Strict(BaseModel):
 
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the YAML."""
+
+
+def _registered_method(name: str) -> str:
+    from fedhisto.methods import method_names
+
+    if name not in method_names():
+        raise ValueError(f"unknown method {name!r}; registered: {', '.join(method_names())}")
+    return name
+
+
+Method = Annotated[str, AfterValidator(_registered_method)]
