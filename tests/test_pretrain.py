@@ -40,3 +40,35 @@ def test_pool_is_deterministic_and_uses_client_sites_only():
 def test_pretraining_hibou_is_refused():
     with pytest.raises(ConfigError, match="only applies to the tiny encoder"):
         load_config({"model": {"pretrain": {"enabled": True}}})
+
+
+def test_plain_encoder_views_carry_no_stain_perturbation():
+    from fedhisto.pretrain import pretrain_view
+    from fedhisto.views import training_views
+
+    plain = load_config({**SMALL, "model": {**SMALL["model"], "pretrain": {**SMALL["model"]["pretrain"],
+                                                                            "stain_views": False}}})
+    default = load_config(SMALL)
+    images, _ = render_pool(default)
+    seed = default.model.pretrain.seed
+    for i in (0, 13, 27):
+        geometry_only = training_views(images[i], plain.views, seed, 2, f"{i:x}", paired=False, stain_single=False)[0]
+        perturbed = training_views(images[i], plain.views, seed, 2, f"{i:x}", paired=False, stain_single=True)[0]
+        assert torch.equal(pretrain_view(images[i], plain, 2, i), geometry_only)
+        assert torch.equal(pretrain_view(images[i], default, 2, i), perturbed)
+        assert not torch.equal(geometry_only, perturbed), "the stain perturbation must change the view"
+
+
+def test_stain_views_default_leaves_stage_blocks_unchanged():
+    from fedhisto.stages import stage_block
+
+    default, plain = load_config(SMALL), load_config(
+        {**SMALL, "model": {**SMALL["model"], "pretrain": {**SMALL["model"]["pretrain"], "stain_views": False}}})
+    blocks = {name: [stage_block(c, name, method="past_v2", seed=11) for c in (default, plain)]
+              for name in ("pretrain", "train", "accounting")}
+    for name, (base, changed) in blocks.items():
+        model = base["pretrain"] if name == "pretrain" else base["model"]["pretrain"]
+        changed_model = changed["pretrain"] if name == "pretrain" else changed["model"]["pretrain"]
+        assert "stain_views" not in model, f"default {name} block gained a key: existing results would rerun"
+        assert changed_model["stain_views"] is False, f"the plain encoder must change the {name} block"
+        assert base != changed

@@ -178,6 +178,9 @@ class PretrainConfig(Strict):
     lr: float = Field(1e-3, gt=0)
     batch: int = Field(32, ge=1)
     seed: int = Field(777, description="pool seed; the pool never overlaps the cohort (different seed stream)")
+    stain_views: bool = Field(
+        True, description="True: pretrain through stain-perturbed views (the pipeline's stain-invariant encoder); "
+                          "False: geometry-only views (the 'plain' encoder of the stain-shift dose-response experiment)")
 
 
 class ModelConfig(Strict):

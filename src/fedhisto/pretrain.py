@@ -4,7 +4,8 @@ A frozen encoder is only meaningful if its features are. HIBOU-B brings them fro
 pretraining; the CPU-sized tiny encoder of the embedded default gets them here, supervised on a
 synthetic pool rendered from its own seed stream (disjoint from every client, validation, test
 and external image) with only the five client sites' stains, each image seen through the
-training views' stain perturbation. The external site's stain is never shown. The encoder is
+training views' stain perturbation (geometry-only views when ``stain_views`` is off: the dose-response
+experiment's plain encoder). The external site's stain is never shown. The encoder is
 then saved with ``save_pretrained`` and loaded through the same strict loader as HIBOU-B.
 """
 
@@ -48,6 +49,14 @@ def render_pool(cfg: Config) -> tuple[list[np.ndarray], list[int]]:
     return images, labels
 
 
+def pretrain_view(image: np.ndarray, cfg: Config, epoch: int, index: int) -> torch.Tensor:
+    """One pretraining view of pool image ``index``: stain-perturbed unless ``stain_views`` is off (the
+    dose-response experiment's plain encoder, which must see the pool's stains as rendered)."""
+    pc = cfg.model.pretrain
+    return training_views(image, cfg.views, pc.seed, epoch, f"{index:x}", paired=False,
+                          stain_single=pc.stain_views)[0]
+
+
 def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
     torch.set_num_threads(max(threads, 1))
     set_determinism()
@@ -68,8 +77,7 @@ def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
         encoder.train()
         for start in range(0, len(order), pc.batch):
             idx = order[start:start + pc.batch]
-            x = torch.stack([training_views(images[i], cfg.views, pc.seed, epoch, f"{i:x}", paired=False,
-                                            stain_single=True)[0] for i in idx])
+            x = torch.stack([pretrain_view(images[i], cfg, epoch, i) for i in idx])
             logits = head(encoder(pixel_values=x).pooler_output)
             loss = nn.functional.cross_entropy(logits, y_all[idx])
             opt.zero_grad(set_to_none=True)

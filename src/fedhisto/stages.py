@@ -28,6 +28,17 @@ def training_settings(cfg: Config, method: str) -> dict[str, Any]:
     return train
 
 
+def _pretrain(cfg: Config) -> dict[str, Any]:
+    block = cfg.model.pretrain.model_dump(mode="json")
+    if block.get("stain_views") is True:  # the default leaves existing pretrain, train and accounting blocks as they were
+        block.pop("stain_views")
+    return block
+
+
+def _model(cfg: Config) -> dict[str, Any]:
+    return {**cfg.model.model_dump(mode="json"), "pretrain": _pretrain(cfg)}
+
+
 def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
     dump = lambda model: model.model_dump(mode="json")  # noqa: E731
     if stage == "cohort":
@@ -41,12 +52,12 @@ def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
         # the per-client image sample is drawn with the manifest's split seed
         return {"stain": dump(cfg.stain), "views": dump(cfg.views), "split_seed": cfg.manifest.split_seed}
     if stage == "pretrain":
-        return {"pretrain": dump(cfg.model.pretrain), "encoder": cfg.model.encoder.name, "views": dump(cfg.views),
+        return {"pretrain": _pretrain(cfg), "encoder": cfg.model.encoder.name, "views": dump(cfg.views),
                 "image_size": cfg.cohort.synthetic.image_size}
     if stage == "train":
         method, seed = wildcards["method"], int(wildcards["seed"])
         return {"method": method, "seed": seed, "train": training_settings(cfg, method),
-                "model": dump(cfg.model), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
+                "model": _model(cfg), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
     if stage == "predict":
         return {"method": wildcards["method"], "seed": int(wildcards["seed"]), "views": dump(cfg.views),
                 "eval_batch": cfg.evaluate.eval_batch}
@@ -57,6 +68,6 @@ def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
         return {"comparison": dump(cfg.bootstrap.comparisons[name]),
                 "bootstrap": cfg.bootstrap.model_dump(mode="json", exclude={"comparisons"})}
     if stage == "accounting":
-        return {"model": dump(cfg.model), "methods": [*cfg.train.methods, *cfg.train.ablations],
+        return {"model": _model(cfg), "methods": [*cfg.train.methods, *cfg.train.ablations],
                 "targets": dump(cfg.partition_targets())}
     raise ValueError(f"unknown stage {stage!r}")
