@@ -60,6 +60,16 @@ def _rng(seed: int, *stream: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
 
 
+def external_grades(cls: str, n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
+    """(differentiation, magnification) of ``n`` external images of class ``cls``: grades and 20x/40x
+    balanced, then shuffled (LungHist700's mix; Normal tissue has no grade)."""
+    diffs = [""] * n if cls == "Normal" else [("well", "moderately", "poorly")[i % 3] for i in range(n)]
+    mags = [("20x", "40x")[i % 2] for i in range(n)]
+    rng.shuffle(diffs)
+    rng.shuffle(mags)
+    return list(zip(diffs, mags, strict=True))
+
+
 def plan_cohort(cfg: SyntheticCohort) -> list[Member]:
     """Every image of the cohort, originals first, with its planted copies after; pure and deterministic."""
     profile = PROFILES[cfg.profile]
@@ -68,12 +78,7 @@ def plan_cohort(cfg: SyntheticCohort) -> list[Member]:
         originals += [Member(site, cls, 0) for cls in CLASSES for _ in range(counts[cls])]
     rng = _rng(cfg.seed, 0)
     for c, cls in enumerate(CLASSES):
-        n = profile.external[c]
-        diffs = [""] * n if cls == "Normal" else [("well", "moderately", "poorly")[i % 3] for i in range(n)]
-        mags = [("20x", "40x")[i % 2] for i in range(n)]
-        rng.shuffle(diffs)
-        rng.shuffle(mags)
-        originals += [Member("external", cls, 0, d, m) for d, m in zip(diffs, mags, strict=True)]
+        originals += [Member("external", cls, 0, d, m) for d, m in external_grades(cls, profile.external[c], rng)]
     for key, m in enumerate(originals):
         m.key = key
 
