@@ -149,3 +149,19 @@ def test_same_config_gives_identical_bytes_serial_or_parallel(tmp_path: Path, re
     other = load_config({**SMALL, "experiments": {"dose_response": {"images_per_class": 5, "seed": 7}}})
     moved = render_shift_cohort(other.cohort.synthetic, other.experiments.dose_response, tmp_path / "b")
     assert Path(moved[0]["path"]).read_bytes() != Path(rows[0]["path"]).read_bytes(), "the shift seed must matter"
+
+
+def test_severities_share_the_slide_jitter_and_noise_draw():
+    shift = load_config(SMALL).experiments.dose_response
+    t = plan_shift(shift)[4]
+    bases = [style_at(s) for s in (0.0, 0.5, 2.0)]
+    jittered = [style for _, style in render_styles(t, shift.seed, 64, bases)]
+    for base, style in zip(bases, jittered, strict=True):  # the same uptake jitter factor at every severity
+        assert style.h_gain / base.h_gain == pytest.approx(jittered[0].h_gain / bases[0].h_gain)
+        assert style.e_gain / base.e_gain == pytest.approx(jittered[0].e_gain / bases[0].e_gain)
+    assert jittered[0].hematoxylin != bases[0].hematoxylin, "the slide jitter must act"
+    # the noise field is one draw scaled by the severity's noise level
+    quiet, noisy, louder = (dataclasses.replace(bases[0], noise_sd=n) for n in (0.0, 4.0, 8.0))
+    rgb0, rgb4, rgb8 = (rgb.astype(float) for rgb, _ in render_styles(t, shift.seed, 64, [quiet, noisy, louder]))
+    inside = ((rgb0 > 30) & (rgb0 < 220)).all(-1)  # away from the clip at 0 and 255
+    assert np.corrcoef((rgb4 - rgb0)[inside].ravel(), (rgb8 - rgb0)[inside].ravel())[0, 1] > 0.95
