@@ -24,6 +24,7 @@ include: "workflow/rules/metrics.smk"
 include: "workflow/rules/bootstrap.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/accounting.smk"
+include: "workflow/rules/experiments.smk"
 
 
 rule all:

@@ -54,7 +54,7 @@ class LeaveOneSiteOutConfig(Strict):
     """FedStain's domain-generalisation protocol: train on four clients, test on the fifth's images."""
 
     left_out: list[ClientName] = Field(default_factory=lambda: ["C1", "C2", "C3", "C4", "C5"], min_length=1)
-    extra_methods: list[Method] = Field(default_factory=lambda: ["fedstain", "fedstain_code"],
+    extra_methods: list[Method] = Field(default_factory=lambda: ["fedstain_code"],
                                      description="trained beside experiments.methods (FedStain's own protocol)")
     seeds: list[int] = Field(default_factory=lambda: [11], min_length=1)
 

@@ -1,6 +1,7 @@
 """Stage ``manifest``: canonical manifest, five non-IID clients, fixed validation and test (study 3.2).
 
-1. Keep the images clearance keeps (family representatives, or whole families).
+1. Keep the images clearance keeps (family representatives, or whole families; ``ignore_families``,
+   for the leakage experiment only, keeps every image and ignores families: a leaky split by design).
 2. Check the targets fit (per class and site group). When they do not, stop with the demand
    against what is available and the two ways out (``clearance.family_policy: whole_families``
    or ``manifest.allow_scaling: true``); only when scaling is allowed is every target scaled by
@@ -85,7 +86,10 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
     if unknown or len(fams) != len(meta):
         raise ManifestError(f"clearance families and sources differ ({len(fams)} vs {len(meta)} images; "
                             f"unknown: {unknown[:3]}): rerun clearance")
-    kept = [r for r in fams if r["keep"] == "True"]
+    policy = cfg.clearance.family_policy
+    # ignore_families (the leakage experiment's leaky split): every image, copies included, is its own unit
+    leaky = policy == "ignore_families"
+    kept = fams if leaky else [r for r in fams if r["keep"] == "True"]
     by_id = {sample_id(r["relpath"]): r for r in kept}
     if len(by_id) != len(kept):
         raise ManifestError("two kept images share a sample id (portable paths collide)")
@@ -94,7 +98,7 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
     for i in internal_ids:
         available[by_id[i]["site"]][by_id[i]["label"]] += 1
     internal = Counter(by_id[i]["label"] for i in internal_ids)
-    requested, policy = cfg.partition_targets(), cfg.clearance.family_policy
+    requested = cfg.partition_targets()
     demand = demand_rows(requested, available, cfg.manifest.client_sites, internal)
     factor = fit_factor(demand)
     targets = requested
@@ -108,7 +112,7 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
     members: dict[str, list[str]] = defaultdict(list)
     for i in internal_ids:
         members[by_id[i]["family"]].append(i)
-    unit_of = {i: sorted(members[by_id[i]["family"]]) for i in internal_ids}
+    unit_of = {i: [i] if leaky else sorted(members[by_id[i]["family"]]) for i in internal_ids}
     assignment: dict[str, tuple[str, str, str]] = {}  # id -> (partition, client, split)
     unused = ("unused", "", "unused")
 
@@ -261,17 +265,25 @@ def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: s
                  out_dir: str | Path) -> dict:
     rows, info = build_manifest(sources_csv, families_csv, cfg)
     audit = boundary_audit(rows, edges_csv)
-    if audit["cross_boundary_family_edges"] or audit["cross_boundary_exact_matches"]:
+    leaks = len(audit["cross_boundary_family_edges"]) + len(audit["cross_boundary_exact_matches"])
+    if cfg.clearance.family_policy == "ignore_families":
+        # wanted only by the leakage experiment: recorded loudly, never silently
+        log.warning("clearance.family_policy ignore_families: augmentation families are IGNORED; %d family edge(s) "
+                    "and exact match(es) cross protected boundaries. Never report these scores as clean.", leaks)
+        result = f"LEAKY by design (family_policy ignore_families): {leaks} cross-boundary edge(s)"
+    elif leaks:
         raise ManifestError(f"protected boundaries leak: {len(audit['cross_boundary_family_edges'])} family edge(s) "
                             f"{audit['cross_boundary_family_edges'][:5]}, {len(audit['cross_boundary_exact_matches'])} "
                             "exact match(es)")
+    else:
+        result = "zero cross-boundary exact and family edges"
     out = Path(out_dir)
     prov = provenance_block(STAGE, stage_block(cfg, STAGE), {"sources": sources_csv, "families": families_csv, "edges": edges_csv})
     comp = composition(rows)
     write_csv(out / "manifest.csv", rows, MANIFEST_COLUMNS)
     write_csv(out / "composition.csv", comp, ["partition", "subset", *CLASSES, "total"])
     summary = {"dataset_identity": dataset_identity(rows), "images": len(rows), **info,
-               "boundary_audit": {**audit, "result": "zero cross-boundary exact and family edges"},
+               "boundary_audit": {**audit, "result": result},
                "provenance": prov}
     write_json(out / "manifest.json", summary)
     for name in ("manifest.csv", "composition.csv"):

@@ -19,7 +19,9 @@ import torch
 from fedhisto import CLASSES
 from fedhisto.config import Config
 from fedhisto.methods import build_method
+from fedhisto.methods.base import Method
 from fedhisto.model.build import build_model, pick_device
+from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.predictions import MEMBER_COLUMN, write_predictions
 from fedhisto.provenance import provenance_block, runtime_block, write_sidecar
 from fedhisto.stages import stage_block
@@ -49,17 +51,23 @@ def load_eligible_checkpoint(train_dir: Path, dataset_identity: str) -> tuple[di
     return ckpt, status
 
 
-def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str | Path, manifest_json: str | Path,
-                descriptors_json: str | Path, cfg: Config, out_dir: str | Path, encoder_dir: str | None = None,
-                threads: int = 1) -> dict:
-    torch.set_num_threads(max(threads, 1))
-    train_dir, out = Path(train_dir), Path(out_dir)
+def load_run(method: str, seed: int, train_dir: Path, manifest_json: str | Path, cfg: Config,
+             encoder_dir: str | None) -> tuple[Method, FedHistoModel, dict, str, torch.device]:
+    """The run's method, its model on the device, the best state of each member, and the run status."""
     identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
     ckpt, status = load_eligible_checkpoint(train_dir, identity)
     device = pick_device()
     m = build_method(method, cfg)
     model = build_model(cfg, m, seed, encoder_dir).to(device)
-    members = ckpt["best"]["members"]
+    return m, model, ckpt["best"]["members"], status, device
+
+
+def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str | Path, manifest_json: str | Path,
+                descriptors_json: str | Path, cfg: Config, out_dir: str | Path, encoder_dir: str | None = None,
+                threads: int = 1) -> dict:
+    torch.set_num_threads(max(threads, 1))
+    train_dir, out = Path(train_dir), Path(out_dir)
+    m, model, members, status, device = load_run(method, seed, train_dir, manifest_json, cfg, encoder_dir)
     with Path(manifest_csv).open() as fh:
         meta = {r["sample_id"]: r for r in csv.DictReader(fh)}
     # inference never touches the optimisation images: do not decode them

@@ -63,3 +63,27 @@ def all_targets():
         "results/stain/descriptors.json",
         "results/accounting/communication.csv",
     ]
+
+
+HIBOU = CFG.model.encoder.name == "hibou-b"
+
+
+def train_mem_mb(wildcards):
+    return 24000 if HIBOU else 3000
+
+
+def train_runtime(wildcards):
+    return 720 if HIBOU else 30
+
+
+def train_gpu(wildcards):
+    """Training and inference of HIBOU-B ask for a GPU; the tiny encoder runs on CPU."""
+    return 1 if HIBOU else 0
+
+
+def predict_mem_mb(wildcards):
+    return 16000 if HIBOU else 2000
+
+
+def predict_runtime(wildcards):
+    return 60 if HIBOU else 10

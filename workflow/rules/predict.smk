@@ -19,9 +19,9 @@ rule predict_cohorts:
         block=lambda wildcards: stage_block(CFG, "predict", method=wildcards.method, seed=wildcards.seed),
     threads: 1
     resources:
-        mem_mb=lambda wildcards: 16000 if CFG.model.encoder.name == "hibou-b" else 2000,
-        runtime=lambda wildcards: 60 if CFG.model.encoder.name == "hibou-b" else 10,
-        gpu=lambda wildcards: 1 if CFG.model.encoder.name == "hibou-b" else 0,
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=train_gpu,
     conda:
         ENV
     script:

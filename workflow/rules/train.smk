@@ -18,9 +18,9 @@ rule train_federated:
         block=lambda wildcards: stage_block(CFG, "train", method=wildcards.method, seed=wildcards.seed),
     threads: 1
     resources:
-        mem_mb=lambda wildcards: 24000 if CFG.model.encoder.name == "hibou-b" else 3000,
-        runtime=lambda wildcards: 720 if CFG.model.encoder.name == "hibou-b" else 30,
-        gpu=lambda wildcards: 1 if CFG.model.encoder.name == "hibou-b" else 0,
+        mem_mb=train_mem_mb,
+        runtime=train_runtime,
+        gpu=train_gpu,
     conda:
         ENV
     script:

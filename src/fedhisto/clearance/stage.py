@@ -43,9 +43,23 @@ def family_rows(rows: list[SourceRow], result: AuditResult, policy: str) -> list
             out[i] = {"relpath": rows[i].relpath, "path": rows[i].path, "label": rows[i].label,
                       "site": rows[i].site, "cohort": rows[i].cohort, "sha256": result.digests[i], "family": fid,
                       "family_size": len(members),
-                      "representative": representative,
-                      "keep": representative or (policy == "whole_families" and rows[i].cohort == home)}
+                      "representative": representative, "keep": kept_by(policy, representative, rows[i].cohort, home)}
     return out
+
+
+def kept_by(policy: str, representative: bool, cohort: str, home_cohort: str) -> bool:
+    """Whether a family member enters the manifest under ``clearance.family_policy``."""
+    if policy == "ignore_families":  # the leakage experiment's leaky split: as if clearance never ran
+        return True
+    return representative or (policy == "whole_families" and cohort == home_cohort)
+
+
+def refile(families: list[dict], policy: str) -> list[dict]:
+    """families.csv rows with ``keep`` recomputed for another policy (the leakage experiment reuses
+    one clearance audit for every policy; the families themselves do not depend on it)."""
+    home = {r["family"]: r["cohort"] for r in families if r["representative"] in (True, "True")}
+    return [{**r, "keep": kept_by(policy, r["representative"] in (True, "True"), r["cohort"], home[r["family"]])}
+            for r in families]
 
 
 def label_conflicts(rows: list[SourceRow], result: AuditResult) -> list[dict]:

@@ -57,13 +57,14 @@ def load_partitions(manifest_csv: str | Path, crop_size: int,
                 groups[f"{r['client']}:holdout"].append(r)
             elif r["split"] in ("validation", "test", "external"):
                 groups[r["split"]].append(r)
-    max_edge = 2 * crop_size
-    out = {}
-    for key, rows in groups.items():
-        rows = sorted(rows, key=lambda r: r["sample_id"])
-        out[key] = Split([r["sample_id"] for r in rows], [CLASSES.index(r["label"]) for r in rows],
-                         [_load(r["path"], max_edge) for r in rows])
-    return out
+    return {key: load_split(rows, crop_size) for key, rows in groups.items()}
+
+
+def load_split(rows: list[dict], crop_size: int) -> Split:
+    """Rows with ``sample_id``, ``label`` and ``path``, decoded in sample-id order."""
+    rows = sorted(rows, key=lambda r: r["sample_id"])
+    return Split([r["sample_id"] for r in rows], [CLASSES.index(r["label"]) for r in rows],
+                 [_load(r["path"], 2 * crop_size) for r in rows])
 
 
 def eval_batches(split: Split, cfg: ViewsConfig, batch: int):

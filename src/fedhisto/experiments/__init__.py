@@ -1,0 +1,15 @@
+"""Controlled experiments the study could not run (``snakemake experiments``; designs in docs/experiments.md).
+
+Four experiments, each under ``results/experiments/<name>/`` with a CSV, a JSON with provenance and
+one figure, plus the per-image predictions they are computed from:
+
+- ``dose_response``: the external cohort re-rendered at several stain/scanner shift severities,
+  crossed with the tiny encoder's stain invariance (pretrained with or without stain views);
+- ``leakage``: the same methods and seeds on a split that ignores augmentation families vs the
+  clean policies (``representatives``, ``whole_families``);
+- ``leave_one_site_out``: FedStain's domain-generalisation protocol, four clients train and the
+  fifth site's images test;
+- ``calibration``: temperature scaling per checkpoint, fitted on its validation predictions.
+
+Layout and reuse of the main pipeline's artifacts: :mod:`fedhisto.experiments.layout`.
+"""

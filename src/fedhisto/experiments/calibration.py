@@ -1,0 +1,114 @@
+"""Experiment 4, calibration: temperature scaling fitted per checkpoint on its validation predictions.
+
+Each run's temperature is fitted on that run's validation predictions only (the split that
+selected its checkpoint; never test or external), then applied to its test and external
+probabilities. Per method, the seeds' ensemble before and after (each after-ensemble averages the
+runs' calibrated probabilities) gives NLL, Brier and ECE with 95 % bootstrap intervals; before and
+after are resampled with the same images, so their difference is a paired one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from fedhisto.atomic import write_csv, write_json
+from fedhisto.calibration import apply_temperature, brier, fit_temperature, nll, reliability_bins
+from fedhisto.config import Config
+from fedhisto.evaluation import ece
+from fedhisto.experiments.stats import interval
+from fedhisto.figures import plot_reliability, save_figure
+from fedhisto.predictions import read_predictions
+from fedhisto.provenance import provenance_block
+
+STAGE = "experiments"
+COHORTS = ("test", "external")
+SCORES = ("nll", "brier", "ece")
+
+
+def _scores(probs: np.ndarray, y: np.ndarray, bins: int) -> dict[str, float]:
+    return {"nll": nll(probs, y), "brier": brier(probs, y), "ece": ece(probs, y, bins)}
+
+
+def _single(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
+    got = read_predictions(path)
+    if len(got) != 1:
+        raise ValueError(f"{path}: {len(got)} models per image; calibration scores single-model methods")
+    ids, y, probs = next(iter(got.values()))
+    order = np.argsort(ids)
+    return [ids[i] for i in order], y[order], probs[order]
+
+
+def summarise_calibration(runs: list[tuple[str, int, str, str, str]], cfg: Config, out_dir: str | Path) -> dict:
+    """``runs``: (method, seed, validation CSV, test CSV, external CSV) of the main pipeline's runs."""
+    x = cfg.experiments
+    bins = x.calibration.bins
+    per_run, per_method, diagrams = [], [], {}
+    ensembles: dict[tuple[str, str], dict] = {}
+    for method, seed, val_csv, test_csv, ext_csv in runs:
+        _, vy, vp = _single(val_csv)
+        t = fit_temperature(vp, vy)
+        for cohort, path in zip(COHORTS, (test_csv, ext_csv), strict=True):
+            ids, y, p = _single(path)
+            after = apply_temperature(p, t)
+            before_s, after_s = _scores(p, y, bins), _scores(after, y, bins)
+            per_run.append({"method": method, "seed": seed, "temperature": t, "cohort": cohort, "images": len(ids),
+                            **{f"{k}_before": v for k, v in before_s.items()},
+                            **{f"{k}_after": v for k, v in after_s.items()}})
+            acc = ensembles.setdefault((method, cohort), {"ids": ids, "y": y, "before": [], "after": []})
+            if acc["ids"] != ids:
+                raise ValueError(f"{path}: its images differ from the other seeds' {cohort} predictions")
+            acc["before"].append(p)
+            acc["after"].append(after)
+    rng_seed = x.bootstrap_seed
+    for (method, cohort), acc in sorted(ensembles.items()):
+        y = acc["y"]
+        before, after = np.mean(acc["before"], axis=0), np.mean(acc["after"], axis=0)
+        rng = np.random.default_rng(rng_seed)
+        picks = [np.arange(len(y))] + [rng.integers(0, len(y), len(y)) for _ in range(x.resamples)]
+        rb = {k: np.array([_scores(before[i], y[i], bins)[k] for i in picks]) for k in SCORES}
+        ra = {k: np.array([_scores(after[i], y[i], bins)[k] for i in picks]) for k in SCORES}
+        for k in SCORES:
+            b, a, d = interval(rb[k]), interval(ra[k]), interval(ra[k] - rb[k])
+            per_method.append({"method": method, "cohort": cohort, "score": k, "seeds": len(acc["before"]),
+                               "images": len(y), "before": b["estimate"], "before_ci_low": b["ci_low"],
+                               "before_ci_high": b["ci_high"], "after": a["estimate"], "after_ci_low": a["ci_low"],
+                               "after_ci_high": a["ci_high"], "change": d["estimate"], "change_ci_low": d["ci_low"],
+                               "change_ci_high": d["ci_high"]})
+        diagrams[(method, cohort)] = {
+            "before": reliability_bins(before, y, bins, resamples=x.resamples, seed=rng_seed),
+            "after": reliability_bins(after, y, bins, resamples=x.resamples, seed=rng_seed)}
+    out = Path(out_dir)
+    write_csv(out / "calibration.csv", per_method, list(per_method[0]))
+    write_csv(out / "per_run.csv", per_run, list(per_run[0]))
+    _figure(diagrams, out / "calibration.png")
+    summary = {"design": {**x.calibration.model_dump(mode="json"), "methods": list(x.methods), "seeds": list(x.seeds),
+                          "fitted_on": "validation predictions of each run", "applied_to": list(COHORTS)},
+               "resamples": x.resamples, "per_method": per_method, "per_run": per_run,
+               "reliability": {f"{m}/{c}": d for (m, c), d in diagrams.items()},
+               "provenance": provenance_block(STAGE, {"experiment": "calibration", **x.model_dump(mode="json")},
+                                              {f"{r[0]}_seed{r[1]}_{k}": p for r in runs
+                                               for k, p in zip(("validation", *COHORTS), r[2:], strict=True)})}
+    write_json(out / "calibration.json", summary)
+    return summary
+
+
+def _figure(diagrams: dict, path: Path) -> None:
+    methods = sorted({m for m, _ in diagrams})
+    fig, axes = plt.subplots(len(COHORTS), len(methods), figsize=(3.3 * len(methods) + 2.0, 3.4 * len(COHORTS)),
+                             squeeze=False, sharex=True, sharey=True)
+    for i, cohort in enumerate(COHORTS):
+        for j, method in enumerate(methods):
+            ax = axes[i, j]
+            d = diagrams[(method, cohort)]
+            plot_reliability(ax, d["before"], "before")
+            plot_reliability(ax, d["after"], "after temperature scaling")
+            ax.set_title(f"{method} / {cohort}", fontsize=9)
+            if j:
+                ax.get_legend() and ax.get_legend().remove()
+    save_figure(fig, path)

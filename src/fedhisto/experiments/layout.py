@@ -1,0 +1,154 @@
+"""Where each experiment's conditions, runs and outputs live; what each rule needs.
+
+A *condition* is a folder ``results/experiments/<experiment>/<name>/`` holding its own manifest,
+training runs and predictions, made by the main pipeline's stage scripts. Whatever the main
+pipeline already made is reused: the stain-invariant encoder condition is the main runs, and the
+leakage policy the main config uses is the main manifest and runs. Torch-free: the Snakefile
+calls it at parse time.
+"""
+
+from __future__ import annotations
+
+from fedhisto.config import Config
+
+ROOT = "results/experiments"
+EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration")
+PLAIN = "dose_response/plain"  # the dose-response condition trained on the plain encoder
+PLAIN_ENCODER = f"{ROOT}/dose_response/encoder_plain"
+
+
+def condition_pattern() -> str:
+    """Wildcard constraint of ``{condition}``: the retrained conditions only."""
+    return r"dose_response/plain|leakage/(ignore_families|representatives|whole_families)|leave_one_site_out/C[1-5]"
+
+
+def is_main(cfg: Config, condition: str) -> bool:
+    """A condition the main pipeline already is (reused, never retrained)."""
+    return condition in ("dose_response/stain_invariant", f"leakage/{cfg.clearance.family_policy}")
+
+
+def run_dir(cfg: Config, condition: str, kind: str, method: str, seed: int) -> str:
+    """``kind`` train or predictions: the folder of one run of a condition (main folders when reused)."""
+    base = "results" if is_main(cfg, condition) else f"{ROOT}/{condition}"
+    return f"{base}/{kind}/{method}/seed{seed}"
+
+
+def condition_inputs(cfg: Config, condition: str) -> dict[str, str | list[str]]:
+    """Manifest, its identity, descriptors and encoder a condition's runs train and predict on."""
+    main_encoder = ["results/pretrain/encoder"] if cfg.model.pretrain.enabled else []
+    if condition.startswith("dose_response/"):  # the main manifest; the plain condition its own encoder
+        return {"manifest": "results/manifest/manifest.csv", "identity": "results/manifest/manifest.json",
+                "descriptors": "results/stain/descriptors.json",
+                "encoder": [PLAIN_ENCODER] if condition == PLAIN else main_encoder}
+    if condition.startswith("leave_one_site_out/"):  # client pools unchanged: the main descriptors
+        folder = f"{ROOT}/{condition}/manifest"
+        return {"manifest": f"{folder}/manifest.csv", "identity": f"{folder}/manifest.json",
+                "descriptors": "results/stain/descriptors.json", "encoder": main_encoder}
+    if condition.startswith("leakage/"):  # other pools: their own stain descriptors
+        folder = f"{ROOT}/{condition}"
+        return {"manifest": f"{folder}/manifest/manifest.csv", "identity": f"{folder}/manifest/manifest.json",
+                "descriptors": f"{folder}/stain/descriptors.json", "encoder": main_encoder}
+    raise ValueError(f"unknown experiment condition {condition!r}")
+
+
+def encoder_conditions(cfg: Config) -> list[str]:
+    return [f"dose_response/{e}" for e in cfg.experiments.dose_response.encoders]
+
+
+def dose_runs(cfg: Config) -> list[tuple[str, str, int]]:
+    """(condition, method, seed) whose external predictions the dose-response experiment re-scores."""
+    x = cfg.experiments
+    return [(c, m, s) for c in encoder_conditions(cfg) for m in x.methods for s in x.seeds]
+
+
+def leakage_runs(cfg: Config) -> list[tuple[str, str, int]]:
+    x = cfg.experiments
+    return [(f"leakage/{p}", m, s) for p in x.leakage.policies for m in x.leakage.methods for s in x.seeds]
+
+
+def leave_one_site_out_methods(cfg: Config) -> list[str]:
+    x = cfg.experiments
+    return list(dict.fromkeys([*x.methods, *x.leave_one_site_out.extra_methods]))
+
+
+def leave_one_site_out_runs(cfg: Config) -> list[tuple[str, str, int]]:
+    x = cfg.experiments.leave_one_site_out
+    return [(f"leave_one_site_out/{c}", m, s) for c in x.left_out for m in leave_one_site_out_methods(cfg)
+            for s in x.seeds]
+
+
+def calibration_runs(cfg: Config) -> list[tuple[str, int]]:
+    x = cfg.experiments
+    return [(m, s) for m in x.methods for s in x.seeds]
+
+
+def summary_files(name: str) -> dict[str, str]:
+    """The CSV, JSON and figure of one experiment."""
+    return {kind: f"{ROOT}/{name}/{name}.{kind}" for kind in ("csv", "json", "png")}
+
+
+def all_outputs() -> list[str]:
+    return [f for name in EXPERIMENTS for f in summary_files(name).values()]
+
+
+def plain_encoder_config(cfg: Config) -> Config:
+    """The config that pretrains the dose-response experiment's plain encoder (no stain-perturbed views)."""
+    pretrain = cfg.model.pretrain.model_copy(update={"stain_views": False})
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"pretrain": pretrain})})
+
+
+def shifted_predictions(cfg: Config) -> list[tuple[str, str, int, str]]:
+    """(encoder condition, method, seed, CSV) of the dose-response experiment."""
+    return [(c, m, s, f"{ROOT}/{c}/predictions/{m}/seed{s}.csv") for c, m, s in dose_runs(cfg)]
+
+
+def leakage_manifest(cfg: Config, policy: str) -> str:
+    return "results/manifest/manifest.csv" if is_main(cfg, f"leakage/{policy}") \
+        else f"{ROOT}/leakage/{policy}/manifest/manifest.csv"
+
+
+def condition_manifest_inputs(condition: str) -> dict[str, str]:
+    """What a retrained condition's manifest is derived from."""
+    if condition.startswith("leakage/"):
+        return {"sources": "results/cohort/sources.csv", "families": "results/clearance/families.csv",
+                "edges": "results/clearance/edges.csv"}
+    return {"manifest": "results/manifest/manifest.csv", "identity": "results/manifest/manifest.json"}
+
+
+def shifted_inputs(cfg: Config, encoder: str, method: str, seed: int) -> dict[str, str | list[str]]:
+    """A dose-response run's checkpoint (main runs for the stain-invariant encoder) and what it predicts with."""
+    condition = f"dose_response/{encoder}"
+    return {"status": f"{run_dir(cfg, condition, 'train', method, seed)}/status.json",
+            "cohort": f"{ROOT}/dose_response/cohort/cohort.csv", **condition_inputs(cfg, condition)}
+
+
+def experiment_block(cfg: Config, name: str) -> dict:
+    """What an experiment's summary depends on beyond its input files."""
+    x = cfg.experiments
+    return {"experiment": name, "methods": x.methods, "seeds": x.seeds, "resamples": x.resamples,
+            "bootstrap_seed": x.bootstrap_seed, name: getattr(x, name).model_dump(mode="json")}
+
+
+def leakage_predictions(cfg: Config) -> list[tuple[str, str, int, str]]:
+    """(policy, method, seed, internal test predictions)."""
+    return [(c.split("/")[1], m, s, f"{run_dir(cfg, c, 'predictions', m, s)}/test.csv")
+            for c, m, s in leakage_runs(cfg)]
+
+
+def leave_one_site_out_predictions(cfg: Config) -> list[tuple[str, str, int, str]]:
+    """(left-out client, method, seed, predictions on the left-out site)."""
+    return [(c.split("/")[1], m, s, f"{run_dir(cfg, c, 'predictions', m, s)}/external.csv")
+            for c, m, s in leave_one_site_out_runs(cfg)]
+
+
+def calibration_inputs(cfg: Config) -> list[tuple[str, int, str, str, str]]:
+    """(method, seed, validation, test, external predictions); the training stage writes the
+    validation predictions beside status.json."""
+    return [(m, s, f"results/train/{m}/seed{s}/validation_predictions.csv", f"results/predictions/{m}/seed{s}/test.csv",
+             f"results/predictions/{m}/seed{s}/external.csv") for m, s in calibration_runs(cfg)]
+
+
+def calibration_files(cfg: Config) -> list[str]:
+    """The rule's inputs: each run's status (its validation predictions are not a declared output) and predictions."""
+    return [p for m, s, _val, test, ext in calibration_inputs(cfg) for p in (f"results/train/{m}/seed{s}/status.json",
+                                                                          test, ext)]

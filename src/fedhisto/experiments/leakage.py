@@ -1,0 +1,100 @@
+"""Experiment 2, family-leakage inflation: internal test macro-F1 per split policy, leaky minus clean.
+
+The policies' test sets are different images (each policy draws its own split), so the inflation
+is a difference between independent samples: each test set is resampled on its own and the
+replicates are subtracted. Inside the leaky split, the test images that have a family relative in
+some client's data are scored apart from the rest: where the inflation comes from.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from fedhisto.atomic import write_csv, write_json
+from fedhisto.config import Config
+from fedhisto.experiments.stats import difference, metric_replicates, summarise
+from fedhisto.figures import legend_outside, plot_bars_with_ci, save_figure
+from fedhisto.predictions import ensemble
+from fedhisto.provenance import provenance_block
+
+STAGE = "experiments"
+LEAKY = "ignore_families"
+METRICS = ("macro_f1", "balanced_accuracy")
+
+
+def relatives_in_training(manifest_csv: str | Path) -> set[str]:
+    """Test images whose augmentation family also has a member in a client's optimisation or holdout set."""
+    with Path(manifest_csv).open() as fh:
+        rows = list(csv.DictReader(fh))
+    client_families = {r["family"] for r in rows if r["split"] in ("optimisation", "holdout")}
+    return {r["sample_id"] for r in rows if r["split"] == "test" and r["family"] in client_families}
+
+
+def summarise_leakage(runs: list[tuple[str, str, int, str]], manifests: dict[str, str], cfg: Config,
+                      out_dir: str | Path) -> dict:
+    """``runs``: (policy, method, seed, test-predictions CSV); ``manifests``: policy -> manifest.csv."""
+    x = cfg.experiments
+    policies, methods = list(x.leakage.policies), list(x.leakage.methods)
+    rows, inflation, subsets = [], [], []
+    reps: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+    for k, policy in enumerate(policies):
+        leaked = relatives_in_training(manifests[policy])
+        for method in methods:
+            paths = [p for pol, m, _s, p in runs if pol == policy and m == method]
+            ids, y, probs = ensemble(paths)
+            reps[(policy, method)] = metric_replicates(y, probs, x.resamples, x.bootstrap_seed + 1009 * k)
+            rows.append({"policy": policy, "method": method, "seeds": len(paths), "test_images": len(ids),
+                         "test_images_with_relative_in_training": sum(i in leaked for i in ids),
+                         **summarise(reps[(policy, method)], METRICS)})
+            if policy == LEAKY:
+                mask = np.array([i in leaked for i in ids])
+                for name, sel in (("relative_in_training", mask), ("no_relative", ~mask)):
+                    if sel.any():
+                        r = metric_replicates(y[sel], probs[sel], x.resamples, x.bootstrap_seed)
+                        subsets.append({"policy": policy, "method": method, "subset": name, "images": int(sel.sum()),
+                                        **summarise(r, METRICS)})
+    for method in methods:
+        for clean in (p for p in policies if p != LEAKY):
+            d = difference(reps[(LEAKY, method)]["macro_f1"], reps[(clean, method)]["macro_f1"])
+            inflation.append({"method": method, "leaky": LEAKY, "clean": clean, "metric": "macro_f1", **d})
+    out = Path(out_dir)
+    write_csv(out / "leakage.csv", rows, list(rows[0]))
+    write_csv(out / "inflation.csv", inflation, list(inflation[0]))
+    write_csv(out / "leaky_subsets.csv", subsets, list(subsets[0]) if subsets else ["policy"])
+    _figure(rows, inflation, policies, methods, out / "leakage.png")
+    summary = {"design": x.leakage.model_dump(mode="json"), "seeds": list(x.seeds), "resamples": x.resamples,
+               "per_policy": rows, "inflation": inflation, "leaky_subsets": subsets,
+               "provenance": provenance_block(STAGE, {"experiment": "leakage", **x.model_dump(mode="json")},
+                                              {**{f"manifest_{p}": m for p, m in manifests.items()},
+                                               **{f"run{i}": r[3] for i, r in enumerate(runs)}})}
+    write_json(out / "leakage.json", summary)
+    return summary
+
+
+def _figure(rows: list[dict], inflation: list[dict], policies: list[str], methods: list[str], path: Path) -> None:
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12.5, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        sel = [next(r for r in rows if r["policy"] == p and r["method"] == method) for p in policies]
+        plot_bars_with_ci(ax, policies, [r["macro_f1"] for r in sel], [r["macro_f1_ci_low"] for r in sel],
+                          [r["macro_f1_ci_high"] for r in sel], label=method, offset=(j - (len(methods) - 1) / 2) * width,
+                          width=width)
+    ax.set_ylabel("internal test macro-F1 (ensemble, 95 % CI)")
+    ax.set_title("test macro-F1 per split policy")
+    legend_outside(ax)
+    labels = [f"{r['method']}\nleaky - {r['clean']}" for r in inflation]
+    plot_bars_with_ci(bx, labels, [r["estimate"] for r in inflation], [r["ci_low"] for r in inflation],
+                      [r["ci_high"] for r in inflation], color="tab:red")
+    bx.axhline(0.0, color="grey", lw=0.8)
+    bx.set_ylabel("inflation of macro-F1 (95 % CI)")
+    bx.set_title("leaky minus clean")
+    bx.tick_params(axis="x", labelsize=7)
+    save_figure(fig, path)
+

@@ -1,0 +1,246 @@
+# Stage experiments: controlled experiments the study could not run (designs: docs/experiments.md).
+# `snakemake --cores 2 experiments` after `all` reuses the main runs wherever a condition is the main
+# pipeline; one experiment alone: `snakemake results/experiments/<name>/<name>.json`. Retrained
+# conditions live in results/experiments/<experiment>/<condition>/ and run the main stages' scripts.
+from fedhisto.experiments import layout as X
+
+
+wildcard_constraints:
+    condition=X.condition_pattern(),
+    encoder="stain_invariant|plain",
+
+
+rule render_shifted_cohort:
+    output:
+        cohort=f"{X.ROOT}/dose_response/cohort/cohort.csv",
+        sheet=f"{X.ROOT}/dose_response/cohort/contact_sheet.png",
+    log:
+        "logs/experiments/render_shifted_cohort.log",
+    params:
+        block=stage_block(CFG, "shift_cohort"),
+    threads: 2
+    resources:
+        mem_mb=2000,
+        runtime=20,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule pretrain_plain_encoder:
+    output:
+        encoder=directory(X.PLAIN_ENCODER),
+    log:
+        "logs/experiments/pretrain_plain_encoder.log",
+    params:
+        block=stage_block(X.plain_encoder_config(CFG), "pretrain"),
+    threads: 2
+    resources:
+        mem_mb=3000,
+        runtime=30,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule build_condition_manifest:
+    input:
+        unpack(lambda wildcards: X.condition_manifest_inputs(wildcards.condition)),
+    output:
+        manifest=f"{X.ROOT}/{{condition}}/manifest/manifest.csv",
+        identity=f"{X.ROOT}/{{condition}}/manifest/manifest.json",
+    log:
+        f"logs/experiments/{{condition}}/build_condition_manifest.log",
+    params:
+        block=lambda wildcards: {"condition": wildcards.condition, "manifest": stage_block(CFG, "manifest")},
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule compute_condition_descriptors:
+    input:
+        manifest=f"{X.ROOT}/{{condition}}/manifest/manifest.csv",
+    output:
+        descriptors=f"{X.ROOT}/{{condition}}/stain/descriptors.json",
+        table=f"{X.ROOT}/{{condition}}/stain/descriptors.csv",
+        grid=f"{X.ROOT}/{{condition}}/stain/view_pairs.png",
+    log:
+        f"logs/experiments/{{condition}}/compute_condition_descriptors.log",
+    params:
+        block=stage_block(CFG, "stain"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=20,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/stain.py"
+
+
+rule train_condition:
+    input:
+        unpack(lambda wildcards: X.condition_inputs(CFG, wildcards.condition)),
+    output:
+        status=f"{X.ROOT}/{{condition}}/train/{{method}}/seed{{seed}}/status.json",
+        history=f"{X.ROOT}/{{condition}}/train/{{method}}/seed{{seed}}/history.csv",
+    log:
+        f"logs/experiments/{{condition}}/train/{{method}}/seed{{seed}}.log",
+    params:
+        block=lambda wildcards: stage_block(CFG, "train", method=wildcards.method, seed=wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=train_mem_mb,
+        runtime=train_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/train.py"
+
+
+rule predict_condition:
+    input:
+        unpack(lambda wildcards: X.condition_inputs(CFG, wildcards.condition)),
+        status=f"{X.ROOT}/{{condition}}/train/{{method}}/seed{{seed}}/status.json",
+    output:
+        test=f"{X.ROOT}/{{condition}}/predictions/{{method}}/seed{{seed}}/test.csv",
+        holdout=f"{X.ROOT}/{{condition}}/predictions/{{method}}/seed{{seed}}/holdout.csv",
+        external=f"{X.ROOT}/{{condition}}/predictions/{{method}}/seed{{seed}}/external.csv",
+    log:
+        f"logs/experiments/{{condition}}/predict/{{method}}/seed{{seed}}.log",
+    params:
+        block=lambda wildcards: stage_block(CFG, "predict", method=wildcards.method, seed=wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/predict.py"
+
+
+rule predict_shifted_cohort:
+    input:
+        unpack(lambda wildcards: X.shifted_inputs(CFG, wildcards.encoder, wildcards.method, wildcards.seed)),
+    output:
+        predictions=f"{X.ROOT}/dose_response/{{encoder}}/predictions/{{method}}/seed{{seed}}.csv",
+    log:
+        "logs/experiments/dose_response/{encoder}/predict/{method}/seed{seed}.log",
+    params:
+        block=lambda wildcards: stage_block(CFG, "predict", method=wildcards.method, seed=wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule summarize_dose_response:
+    input:
+        cohort=f"{X.ROOT}/dose_response/cohort/cohort.csv",
+        predictions=[r[3] for r in X.shifted_predictions(CFG)],
+    output:
+        **X.summary_files("dose_response"),
+    log:
+        "logs/experiments/summarize_dose_response.log",
+    params:
+        runs=[list(r) for r in X.shifted_predictions(CFG)],
+        block=X.experiment_block(CFG, "dose_response"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule summarize_leakage:
+    input:
+        manifests=[X.leakage_manifest(CFG, p) for p in CFG.experiments.leakage.policies],
+        predictions=[r[3] for r in X.leakage_predictions(CFG)],
+    output:
+        **X.summary_files("leakage"),
+    log:
+        "logs/experiments/summarize_leakage.log",
+    params:
+        runs=[list(r) for r in X.leakage_predictions(CFG)],
+        manifests={p: X.leakage_manifest(CFG, p) for p in CFG.experiments.leakage.policies},
+        block=X.experiment_block(CFG, "leakage"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule summarize_leave_one_site_out:
+    input:
+        predictions=[r[3] for r in X.leave_one_site_out_predictions(CFG)],
+    output:
+        **X.summary_files("leave_one_site_out"),
+    log:
+        "logs/experiments/summarize_leave_one_site_out.log",
+    params:
+        runs=[list(r) for r in X.leave_one_site_out_predictions(CFG)],
+        block=X.experiment_block(CFG, "leave_one_site_out"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule calibrate_checkpoints:
+    input:
+        runs=X.calibration_files(CFG),
+    output:
+        **X.summary_files("calibration"),
+    log:
+        "logs/experiments/calibrate_checkpoints.log",
+    params:
+        runs=[list(r) for r in X.calibration_inputs(CFG)],
+        block=X.experiment_block(CFG, "calibration"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule experiments:
+    input:
+        X.all_outputs(),
