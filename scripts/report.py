@@ -15,7 +15,8 @@ if "snakemake" in globals():
     for (method, _seed), path in zip(smk.params.runs, smk.input.external, strict=True):
         external.setdefault(method, []).append(path)
     run_report(smk.input.metrics, list(smk.input.bootstrap), smk.input.communication, external,
-               Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent)
+               Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent,
+               bootstrap=dict(smk.params.bootstrap))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
     t = config.train
@@ -25,4 +26,5 @@ elif __name__ == "__main__":
         external.setdefault(m, []).append(f"results/predictions/{m}/seed{s}/external.csv")
     names = [p.stem for p in sorted(Path("results/bootstrap").glob("*.json"))]
     run_report("results/metrics/metrics.json", [f"results/bootstrap/{n}.json" for n in names],
-               "results/accounting/communication.csv", external, "results/tables", "results/figures", "results/manifest")
+               "results/accounting/communication.csv", external, "results/tables", "results/figures", "results/manifest",
+               bootstrap=config.bootstrap.model_dump(include={"seed", "resamples", "confidence"}))

@@ -9,6 +9,10 @@ and P(delta > 0). Metrics: macro-F1 (:func:`fedhisto.evaluation.macro_f1_from_co
 package's one definition), balanced accuracy, accuracy, per-class recall.
 Resampling images cannot capture patient-level dependence; the p-values are descriptive.
 
+The same resampling (:func:`resampled_metrics`) serves :func:`bootstrap_interval` (one
+prediction set's percentile CI, used by the report's figures) and :func:`independent_difference`
+(two different image sets, each resampled on its own).
+
 Resolution of p: with B usable replicates the smallest p this definition can return above 0 is
 2/B (one replicate on the far side of zero). When no replicate lies on the far side, p is not 0
 but below that resolution, so the JSON records ``p_two_sided = 2/B`` with ``p_is_upper_bound:
@@ -61,44 +65,125 @@ def member_mean_metrics(y: np.ndarray, preds: list[np.ndarray], weights: np.ndar
     return {k: np.mean([m[k] for m in per], axis=0) for k in per[0]}
 
 
-def paired_bootstrap(y: np.ndarray, pred_a: np.ndarray | list[np.ndarray], pred_b: np.ndarray | list[np.ndarray],
-                     resamples: int, seed: int, confidence: float = 0.95, chunk: int = 2000) -> dict:
-    """``pred_a`` / ``pred_b``: predicted labels, or a list of them (one per model, averaged metrics)."""
+Preds = np.ndarray | list[np.ndarray]
+
+
+def _models(preds: Preds) -> list[np.ndarray]:
+    """Predicted labels of one model, or a list of them (one per model), as a list."""
+    return [preds] if isinstance(preds, np.ndarray) else list(preds)
+
+
+def resample_weights(rng: np.random.Generator, n: int, b: int) -> np.ndarray:
+    """B x n multiplicities of B image-level resamples with replacement (one ``integers`` draw)."""
+    idx = rng.integers(0, n, size=(b, n))
+    weights = np.zeros((b, n))
+    np.add.at(weights, (np.repeat(np.arange(b), n), idx.ravel()), 1.0)
+    return weights
+
+
+def resampled_metrics(y: np.ndarray, pred_sets: list[list[np.ndarray]], resamples: int, rng: np.random.Generator,
+                      chunk: int = 2000) -> list[dict[str, np.ndarray]]:
+    """Metrics of every prediction set on the *same* ``resamples`` resamples of the images of ``y``
+    (one metric array of length ``resamples`` per set and metric). Drawn in chunks to bound memory;
+    the draw order is fixed, so a seed gives the same replicates whatever the caller."""
     n = len(y)
-    pred_a, pred_b = ([p] if isinstance(p, np.ndarray) else list(p) for p in (pred_a, pred_b))
-    rng = np.random.default_rng(seed)
-    full = np.ones((1, n))
-    point_a = member_mean_metrics(y, pred_a, full)
-    point_b = member_mean_metrics(y, pred_b, full)
-    deltas: dict[str, list] = {k: [] for k in point_a}
+    parts: list[dict[str, list]] = [{} for _ in pred_sets]
     done = 0
     while done < resamples:
         b = min(chunk, resamples - done)
-        idx = rng.integers(0, n, size=(b, n))          # the same indices serve both methods
-        weights = np.zeros((b, n))
-        np.add.at(weights, (np.repeat(np.arange(b), n), idx.ravel()), 1.0)
-        ma = member_mean_metrics(y, pred_a, weights)
-        mb = member_mean_metrics(y, pred_b, weights)
-        for k in deltas:
-            deltas[k].append(ma[k] - mb[k])
+        weights = resample_weights(rng, n, b)
+        for out, preds in zip(parts, pred_sets, strict=True):
+            for k, v in member_mean_metrics(y, preds, weights).items():
+                out.setdefault(k, []).append(v)
         done += b
+    return [{k: np.concatenate(v) for k, v in out.items()} for out in parts]
+
+
+def _difference_test(d: np.ndarray, confidence: float) -> dict:
+    """Percentile CI and two-sided p of bootstrap differences ``d`` (finite replicates only)."""
     alpha = (1 - confidence) / 2
+    lo, hi = np.percentile(d, [100 * alpha, 100 * (1 - alpha)])
+    tail = min((d <= 0).mean(), (d >= 0).mean())
+    bound = tail == 0            # no replicate on the far side of 0: p is below the resolution 2/B
+    p = 2 / len(d) if bound else min(1.0, 2 * tail)
+    return {"ci_low": float(lo), "ci_high": float(hi), "p_two_sided": float(p), "p_is_upper_bound": bool(bound),
+            "p_delta_positive": float((d > 0).mean()), "n_resamples": len(d)}
+
+
+def paired_bootstrap(y: np.ndarray, pred_a: Preds, pred_b: Preds,
+                     resamples: int, seed: int, confidence: float = 0.95, chunk: int = 2000) -> dict:
+    """``pred_a`` / ``pred_b``: predicted labels, or a list of them (one per model, averaged metrics)."""
+    pred_a, pred_b = _models(pred_a), _models(pred_b)
+    full = np.ones((1, len(y)))
+    point_a = member_mean_metrics(y, pred_a, full)
+    point_b = member_mean_metrics(y, pred_b, full)
+    # the same indices serve both methods: that pairing is what the test is about
+    ma, mb = resampled_metrics(y, [pred_a, pred_b], resamples, np.random.default_rng(seed), chunk)
     result = {}
-    for k, parts in deltas.items():
-        d = np.concatenate(parts)
+    for k in point_a:
+        d = ma[k] - mb[k]
         d = d[np.isfinite(d)]
         if not len(d):  # recall of a class absent from the cohort: never observed, nothing to compare
             result[k] = {**dict.fromkeys(("method", "reference", "difference", "ci_low", "ci_high", "p_two_sided",
                                           "p_delta_positive")), "p_is_upper_bound": False, "n_resamples": 0}
             continue
-        lo, hi = np.percentile(d, [100 * alpha, 100 * (1 - alpha)])
-        tail = min((d <= 0).mean(), (d >= 0).mean())
-        bound = tail == 0            # no replicate on the far side of 0: p is below the resolution 2/B
-        p = 2 / len(d) if bound else min(1.0, 2 * tail)
         result[k] = {"method": float(point_a[k][0]), "reference": float(point_b[k][0]),
-                     "difference": float(point_a[k][0] - point_b[k][0]), "ci_low": float(lo), "ci_high": float(hi),
-                     "p_two_sided": float(p), "p_is_upper_bound": bool(bound),
-                     "p_delta_positive": float((d > 0).mean()), "n_resamples": len(d)}
+                     "difference": float(point_a[k][0] - point_b[k][0]), **_difference_test(d, confidence)}
+    return result
+
+
+def bootstrap_interval(y: np.ndarray, preds: Preds, resamples: int, seed: int, confidence: float = 0.95,
+                       chunk: int = 2000) -> dict[str, dict]:
+    """Point estimate and percentile CI of every metric of one prediction set on one image set.
+
+    ``preds``: predicted labels, or a list of them (one per model, metrics averaged as in
+    :func:`paired_bootstrap`). Replicates where a metric is undefined (a class absent from the
+    resample) are dropped; ``n_resamples`` counts the ones used. A class absent from ``y`` has no
+    estimate and no interval (None, ``n_resamples`` 0).
+    """
+    models = _models(preds)
+    point = member_mean_metrics(y, models, np.ones((1, len(y))))
+    (reps,) = resampled_metrics(y, [models], resamples, np.random.default_rng(seed), chunk)
+    alpha = (1 - confidence) / 2
+    result = {}
+    for k, v in reps.items():
+        v = v[np.isfinite(v)]
+        if not np.isfinite(point[k][0]) or not len(v):
+            result[k] = {"estimate": None, "ci_low": None, "ci_high": None, "n_resamples": 0}
+            continue
+        lo, hi = np.percentile(v, [100 * alpha, 100 * (1 - alpha)])
+        result[k] = {"estimate": float(point[k][0]), "ci_low": float(lo), "ci_high": float(hi),
+                     "n_resamples": len(v)}
+    return result
+
+
+def independent_difference(y_a: np.ndarray, preds_a: Preds, y_b: np.ndarray, preds_b: Preds, resamples: int,
+                           seed: int, confidence: float = 0.95, chunk: int = 2000) -> dict[str, dict]:
+    """Difference a - b of every metric between two *different* image sets (e.g. two cohorts).
+
+    Each set is resampled on its own (a's replicates first, then b's, from one generator seeded
+    with ``seed``); the i-th replicates are differenced. CI and p follow :func:`paired_bootstrap`
+    (percentile CI; p twice the smaller tail mass around 0, ``2/B`` with ``p_is_upper_bound``
+    when no replicate crosses 0). Unpaired, so no image-level pairing narrows the interval.
+    """
+    models_a, models_b = _models(preds_a), _models(preds_b)
+    point_a = member_mean_metrics(y_a, models_a, np.ones((1, len(y_a))))
+    point_b = member_mean_metrics(y_b, models_b, np.ones((1, len(y_b))))
+    rng = np.random.default_rng(seed)
+    (ma,) = resampled_metrics(y_a, [models_a], resamples, rng, chunk)
+    (mb,) = resampled_metrics(y_b, [models_b], resamples, rng, chunk)
+    result = {}
+    for k in point_a:
+        d = ma[k] - mb[k]
+        d = d[np.isfinite(d)]
+        estimate = point_a[k][0] - point_b[k][0]
+        if not np.isfinite(estimate) or not len(d):  # a class absent from either set: nothing to compare
+            result[k] = {**dict.fromkeys(("estimate_a", "estimate_b", "estimate", "ci_low", "ci_high",
+                                          "p_two_sided", "p_delta_positive")),
+                         "p_is_upper_bound": False, "n_resamples": 0}
+            continue
+        result[k] = {"estimate_a": float(point_a[k][0]), "estimate_b": float(point_b[k][0]),
+                     "estimate": float(estimate), **_difference_test(d, confidence)}
     return result
 
 

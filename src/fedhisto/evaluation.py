@@ -84,14 +84,21 @@ def macro_f1(y: np.ndarray, pred: np.ndarray) -> float:
     return float(macro_f1_from_confusion(confusion(np.asarray(y, dtype=int), np.asarray(pred, dtype=int))))
 
 
+def confidence_bins(conf: np.ndarray, bins: int) -> list[tuple[float, float, np.ndarray]]:
+    """``(low, high, mask)`` of each equal-width bin of top-1 confidence: the first bin is
+    ``[0, 1/bins]``, the others right-closed ``(low, high]``. The one binning of the package: ECE
+    and the reliability diagrams (``fedhisto.calibration.reliability_bins``) share it."""
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    return [(float(lo), float(hi), (conf > lo) & (conf <= hi) if lo > 0 else (conf >= lo) & (conf <= hi))
+            for lo, hi in itertools.pairwise(edges)]
+
+
 def ece(probs: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
-    """Expected calibration error over equal-width bins of top-1 confidence (right-closed bins)."""
+    """Expected calibration error over equal-width bins of top-1 confidence (:func:`confidence_bins`)."""
     conf = probs.max(1)
     correct = (probs.argmax(1) == y).astype(float)
-    edges = np.linspace(0.0, 1.0, bins + 1)
     total = 0.0
-    for lo, hi in itertools.pairwise(edges):
-        sel = (conf > lo) & (conf <= hi) if lo > 0 else (conf >= lo) & (conf <= hi)
+    for _, _, sel in confidence_bins(conf, bins):
         if sel.any():
             total += sel.mean() * abs(correct[sel].mean() - conf[sel].mean())
     return float(total)

@@ -1,7 +1,8 @@
 """Stage ``report``: tables mirroring the study's Tables 4 to 8 and the figures.
 
 Tables (CSV and Markdown) under ``results/tables/``; figures (PNG) under ``results/figures/``.
-``snakemake --report report.html`` bundles them with captions (workflow/report/).
+``snakemake --report report.html`` bundles them with captions (workflow/report/). The figures
+(``fedhisto.report_figures``) carry image-level bootstrap 95 % CIs on every estimate.
 """
 
 from __future__ import annotations
@@ -10,21 +11,15 @@ import csv
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import itertools
-
-import matplotlib.pyplot as plt
-import numpy as np
-
 from fedhisto import CLASSES
-from fedhisto.atomic import write_csv, write_text, write_with
-from fedhisto.bootstrap import ensemble
+from fedhisto.atomic import write_csv, write_text
+from fedhisto.config import BootstrapConfig
 from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.report_figures import write_figures
 from fedhisto.targets import write_table2
 
 STAGE = "report"
+FIGURE_BOOTSTRAP_DEFAULTS = BootstrapConfig().model_dump(include={"seed", "resamples", "confidence"})
 
 
 def _fmt(v) -> str:
@@ -47,20 +42,15 @@ def unavailability_notes(summary: list[dict], methods: set[str]) -> list[str]:
             for r in summary if r["method"] in methods and int(r.get("unavailable_client_rounds") or 0) > 0]
 
 
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
-    plt.close(fig)
-
-
 def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], communication_csv: str | Path,
                external_predictions: dict[str, list[str]], tables_dir: str | Path, figures_dir: str | Path,
-               manifest_dir: str | Path | None = None) -> None:
+               manifest_dir: str | Path | None = None, bootstrap: dict | None = None) -> None:
+    """``bootstrap``: ``seed``, ``resamples``, ``confidence`` of the figures' intervals (the
+    ``bootstrap`` config block; missing keys take its defaults). Tables do not depend on it."""
     m = json.loads(Path(metrics_json).read_text())
     tables, figures = Path(tables_dir), Path(figures_dir)
     if manifest_dir is not None:  # Table 2 as built beside the study's, with the scaling line (fedhisto.targets)
         write_table2(Path(manifest_dir) / "composition.csv", Path(manifest_dir) / "manifest.json", tables)
-    methods = list(m["ensembles"])
     t4 = []
     for row in m["summary"]:
         t4.append({"method": row["method"], "finalised_seeds": row["finalised_seeds"],
@@ -102,72 +92,18 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
     with Path(communication_csv).open() as fh:
         write_table(tables / "table8_communication", list(csv.DictReader(fh)), "Table 8: parameters and communication")
 
-    x = np.arange(len(methods))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.bar(x - 0.2, [m["ensembles"][k]["macro_f1"] for k in methods], 0.4, label="macro-F1")
-    ax.bar(x + 0.2, [m["ensembles"][k]["balanced_accuracy"] for k in methods], 0.4, label="balanced accuracy")
-    ax.set_xticks(x, methods, rotation=30, ha="right")
-    ax.set_ylim(0, 1)
-    ax.set_title("External cohort: method-level ensembles")
-    ax.legend()
-    _save(fig, figures / "ensemble_macro_f1.png")
-
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for k, c in enumerate(CLASSES):
-        ax.bar(x + (k - 1) * 0.27, [m["ensembles"][n]["per_class"][c]["recall"] or 0 for n in methods], 0.27, label=c)
-    ax.set_xticks(x, methods, rotation=30, ha="right")
-    ax.set_ylim(0, 1)
-    ax.set_title("External cohort: class-wise recall")
-    ax.legend()
-    _save(fig, figures / "class_recall.png")
-
-    focus = "past_v2" if "past_v2" in methods else methods[-1]
-    cm = np.array(m["ensembles"][focus]["confusion"])
-    fig, ax = plt.subplots(figsize=(4, 3.6))
-    ax.imshow(cm, cmap="Blues")
-    for i in range(3):
-        for j in range(3):
-            ax.text(j, i, str(cm[i, j]), ha="center", va="center")
-    ax.set_xticks(range(3), CLASSES)
-    ax.set_yticks(range(3), CLASSES)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title(f"{focus} ensemble, external cohort")
-    _save(fig, figures / "confusion_v2.png")
-
-    abl = [b for b in boots if b["ablation"]]
-    fig, ax = plt.subplots(figsize=(6, 2.5 + 0.4 * len(abl)))
-    for i, b in enumerate(abl):
-        v = b["metrics"]["macro_f1"]
-        ax.errorbar(v["difference"], i, xerr=[[v["difference"] - v["ci_low"]], [v["ci_high"] - v["difference"]]],
-                    fmt="o", capsize=4)
-    ax.axvline(0, color="grey", lw=1)
-    ax.set_yticks(range(len(abl)), [b["comparison"] for b in abl])
-    ax.set_xlabel("macro-F1 difference (full v2 minus ablation), 95 % CI")
-    ax.set_title("Ablation forest plot (external cohort)")
-    _save(fig, figures / "ablation_forest.png")
-
-    fig, ax = plt.subplots(figsize=(4.5, 4))
-    edges = np.linspace(0, 1, 16)
-    for method in (k for k in ("fedavg_peft", focus) if k in external_predictions):
-        _, y, p = ensemble(external_predictions[method])
-        conf, correct = p.max(1), p.argmax(1) == y
-        centres, accs = [], []
-        for lo, hi in itertools.pairwise(edges):
-            sel = (conf > lo) & (conf <= hi)
-            if sel.any():
-                centres.append(conf[sel].mean())
-                accs.append(correct[sel].mean())
-        ax.plot(centres, accs, "o-", label=method)
-    ax.plot([0, 1], [0, 1], "--", color="grey")
-    ax.set_xlabel("confidence (top-1)")
-    ax.set_ylabel("accuracy")
-    ax.set_title("Reliability, external ensembles (15 bins)")
-    ax.legend()
-    _save(fig, figures / "reliability.png")
+    interval = {**FIGURE_BOOTSTRAP_DEFAULTS, **(bootstrap or {})}
+    write_figures(m, boots, external_predictions, figures, **interval)
     prov = provenance_block(STAGE, {"tables": "4-8", "figures": 5},
                             {"metrics": metrics_json, "communication": communication_csv,
                              **{Path(p).name: p for p in bootstrap_jsons}})
-    for path in [*sorted(tables.glob("table*")), *sorted(figures.glob("*.png"))]:
+    for path in sorted(tables.glob("table*")):
         if not path.name.endswith(".prov.json"):
             write_sidecar(path, prov)
+    # the figures also depend on the external predictions and the interval settings: their own sidecar says so
+    figure_prov = provenance_block(STAGE, {"figures": 5, "intervals": interval},
+                                   {"metrics": metrics_json, **{Path(p).name: p for p in bootstrap_jsons},
+                                    **{f"{k}/{i}": f for k, files in external_predictions.items()
+                                       for i, f in enumerate(files)}})
+    for path in sorted(figures.glob("*.png")):
+        write_sidecar(path, figure_prov)

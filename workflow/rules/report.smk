@@ -26,6 +26,8 @@ rule make_report:
         "logs/report/make_report.log",
     params:
         runs=lambda wildcards: [[m, s] for m, s in train_runs()],
+        # the figures' 95 % bootstrap CIs: a changed seed or resample count redraws them
+        bootstrap={k: getattr(CFG.bootstrap, k) for k in ("seed", "resamples", "confidence")},
     threads: 1
     resources:
         mem_mb=2000,
