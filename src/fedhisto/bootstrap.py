@@ -99,7 +99,7 @@ def resampled_metrics(y: np.ndarray, pred_sets: list[list[np.ndarray]], resample
     return [{k: np.concatenate(v) for k, v in out.items()} for out in parts]
 
 
-def _difference_test(d: np.ndarray, confidence: float) -> dict:
+def difference_test(d: np.ndarray, confidence: float) -> dict:
     """Percentile CI and two-sided p of bootstrap differences ``d`` (finite replicates only)."""
     alpha = (1 - confidence) / 2
     lo, hi = np.percentile(d, [100 * alpha, 100 * (1 - alpha)])
@@ -128,7 +128,7 @@ def paired_bootstrap(y: np.ndarray, pred_a: Preds, pred_b: Preds,
                                           "p_delta_positive")), "p_is_upper_bound": False, "n_resamples": 0}
             continue
         result[k] = {"method": float(point_a[k][0]), "reference": float(point_b[k][0]),
-                     "difference": float(point_a[k][0] - point_b[k][0]), **_difference_test(d, confidence)}
+                     "difference": float(point_a[k][0] - point_b[k][0]), **difference_test(d, confidence)}
     return result
 
 
@@ -183,7 +183,7 @@ def independent_difference(y_a: np.ndarray, preds_a: Preds, y_b: np.ndarray, pre
                          "p_is_upper_bound": False, "n_resamples": 0}
             continue
         result[k] = {"estimate_a": float(point_a[k][0]), "estimate_b": float(point_b[k][0]),
-                     "estimate": float(estimate), **_difference_test(d, confidence)}
+                     "estimate": float(estimate), **difference_test(d, confidence)}
     return result
 
 

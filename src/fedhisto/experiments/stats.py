@@ -10,27 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedhisto.bootstrap import confusion_counts, metrics_from_confusion, paired_bootstrap
+from fedhisto.bootstrap import difference_test, member_mean_metrics, paired_bootstrap, resampled_metrics
 from fedhisto.evaluation import ece
 
 CONFIDENCE = 0.95
 
 
-def resample_weights(n: int, resamples: int, seed: int) -> np.ndarray:
-    """Multiplicity of each image in each resample (resamples x n)."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(resamples, n))
-    weights = np.zeros((resamples, n))
-    np.add.at(weights, (np.repeat(np.arange(resamples), n), idx.ravel()), 1.0)
-    return weights
-
-
 def metric_replicates(y: np.ndarray, probs: np.ndarray, resamples: int, seed: int, bins: int = 15) -> dict[str, np.ndarray]:
-    """Per metric: the point estimate (index 0) followed by ``resamples`` bootstrap replicates."""
-    pred = probs.argmax(1)
-    weights = np.vstack([np.ones((1, len(y))), resample_weights(len(y), resamples, seed)])
-    out = metrics_from_confusion(confusion_counts(y, pred, weights))
-    rng = np.random.default_rng([seed, 1])  # ECE needs the images themselves, not only the confusion
+    """Per metric: the point estimate (index 0) followed by ``resamples`` bootstrap replicates
+    (the bootstrap stage's resampling; ECE, which needs the images themselves, from its own stream)."""
+    pred = [probs.argmax(1)]
+    point = member_mean_metrics(y, pred, np.ones((1, len(y))))
+    (reps,) = resampled_metrics(y, [pred], resamples, np.random.default_rng(seed))
+    out = {k: np.concatenate([point[k], reps[k]]) for k in reps}
+    rng = np.random.default_rng([seed, 1])
     picks = [np.arange(len(y))] + [rng.integers(0, len(y), len(y)) for _ in range(resamples)]
     out["ece"] = np.array([ece(probs[i], y[i], bins) for i in picks])
     return out
@@ -54,14 +47,10 @@ def summarise(replicates: dict[str, np.ndarray], metrics: tuple[str, ...]) -> di
 
 
 def difference(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
-    """a - b for replicates of two INDEPENDENT image sets, with a two-sided p as paired_bootstrap states it."""
-    d = a - b
-    row = interval(d)
-    rest = d[1:][np.isfinite(d[1:])]
-    tail = min((rest <= 0).mean(), (rest >= 0).mean()) if len(rest) else np.nan
-    row["p_two_sided"] = float(2 / len(rest) if tail == 0 else min(1.0, 2 * tail))
-    row["p_is_upper_bound"] = bool(tail == 0)
-    return row
+    """a - b for replicates of two INDEPENDENT image sets (index 0: point estimates), tested as
+    :func:`fedhisto.bootstrap.independent_difference` tests it."""
+    d = a[1:] - b[1:]
+    return {"estimate": float(a[0] - b[0]), **difference_test(d[np.isfinite(d)], CONFIDENCE)}
 
 
 def paired_macro_f1(y: np.ndarray, probs_a: np.ndarray, probs_b: np.ndarray, resamples: int, seed: int) -> dict:
