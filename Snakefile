@@ -31,3 +31,9 @@ rule all:
     input:
         all_targets(),
     default_target: True
+
+
+# Controlled experiments after `all` (docs/experiments.md); targets only, outputs in results/experiments/.
+rule experiments:
+    input:
+        experiment_outputs(),

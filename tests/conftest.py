@@ -44,6 +44,11 @@ def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
     cfg["train"].update(methods=["fedavg_peft", "past_v2", "local_only"], seeds=[11], ablations=[],
                         max_rounds=max_rounds)
     cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)
+    # every experiment at its smallest: two methods, one seed, one left-out site, two severities
+    cfg["experiments"].update(methods=["fedavg_peft", "past_v2"], seeds=[11], resamples=200)
+    cfg["experiments"]["dose_response"].update(severities=[0.0, 1.0], images_per_class=5)
+    cfg["experiments"]["leakage"].update(policies=["ignore_families", "representatives"], methods=["fedavg_peft"])
+    cfg["experiments"]["leave_one_site_out"].update(left_out=["C1"], extra_methods=[])
     path = workdir / "config/config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))

@@ -142,6 +142,33 @@ def test_failed_validation_writes_failure_not_report_and_checkpoint_still_predic
         run_predict("fedprox_peft", 11, out, prepared["manifest"], other, prepared["descriptors"], cfg, tmp_path / "p2")
 
 
+def test_temperature_scaling_option_rescales_written_probabilities_by_the_validation_fit(prepared: dict,
+                                                                                      tmp_path: Path):
+    import numpy as np
+
+    from fedhisto.calibration import apply_temperature, fit_temperature
+    from fedhisto.predict import run_predict
+    from fedhisto.predictions import read_predictions
+    from fedhisto.provenance import read_sidecar
+
+    out = tmp_path / "run"
+    plain = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}})
+    scaled = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}, "evaluate": {"temperature_scaling": True}})
+    train(prepared, "fedavg_peft", out, cfg=plain)
+    args = ("fedavg_peft", 11, out, prepared["manifest"], prepared["identity"], prepared["descriptors"])
+    run_predict(*args, plain, tmp_path / "raw")
+    run_predict(*args, scaled, tmp_path / "scaled")
+    _, vy, vp = read_predictions(out / "validation_predictions.csv")["global"]
+    t = fit_temperature(vp, vy)
+    assert read_sidecar(tmp_path / "scaled/external.csv")["temperatures"] == {"global": t}
+    assert abs(t - 1.0) > 1e-3  # a one-round model is not calibrated: the option must change something
+    _, _, raw = read_predictions(tmp_path / "raw/external.csv")["global"]
+    _, _, got = read_predictions(tmp_path / "scaled/external.csv")["global"]
+    # the written probabilities are the raw ones rescaled (up to the CSVs' 8-decimal rounding)
+    assert np.abs(got - apply_temperature(raw, t)).max() < 1e-6
+    assert "temperatures" not in read_sidecar(tmp_path / "raw/external.csv")
+
+
 @pytest.mark.parametrize("method", ["fedstain", "fedstain_code"])
 def test_fedstain_variants_train_log_their_terms_and_resume_bitwise(prepared: dict, tmp_path: Path, method: str):
     """Both comparator variants run on the same engine: their losses are logged (four or three different

@@ -159,3 +159,62 @@ def test_tables_figures_and_html_report(workdir: Path, repo: Path, snakemake_bin
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     html = (workdir / "report.html").read_text(errors="replace")
     assert "Reliability diagram" in html and "method-level ensembles" in html
+
+
+def _macro_f1_of(paths: list[Path], keep=lambda row: True) -> float:
+    """Independent recomputation from per-image CSVs: the seeds' mean probabilities, argmax, sklearn's
+    macro-F1 over the classes present in the labels."""
+    import csv
+
+    import numpy as np
+    from sklearn.metrics import f1_score
+
+    probs: dict[str, np.ndarray] = {}
+    labels: dict[str, str] = {}
+    for path in paths:
+        with path.open() as fh:
+            for r in csv.DictReader(fh):
+                if keep(r):
+                    p = np.array([float(r["p_ACA"]), float(r["p_Normal"]), float(r["p_SCC"])])
+                    probs[r["sample_id"]] = probs.get(r["sample_id"], 0) + p / len(paths)
+                    labels[r["sample_id"]] = r["label"]
+    ids = sorted(probs)
+    names = ["ACA", "Normal", "SCC"]
+    y = [labels[i] for i in ids]
+    pred = [names[int(np.argmax(probs[i]))] for i in ids]
+    return float(f1_score(y, pred, labels=sorted(set(y)), average="macro", zero_division=0))
+
+
+def test_experiments_run_reuse_main_runs_and_recompute_from_their_predictions(workdir: Path, repo: Path,
+                                                                               snakemake_bin: str):
+    proc = snakemake(snakemake_bin, repo, workdir, "--cores", "2", "experiments")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert "train_federated" not in log  # the stain-invariant and representatives conditions are the main runs
+    assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(
+        snakemake(snakemake_bin, repo, workdir, "-n", "experiments"))
+    root = workdir / "results/experiments"
+    for name in ("dose_response", "leakage", "leave_one_site_out", "calibration"):
+        doc = json.loads((root / f"{name}/{name}.json").read_text())
+        assert doc["provenance"]["stage"] == "experiments" and doc["provenance"]["inputs"]
+        assert (root / f"{name}/{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (root / f"{name}/{name}.csv").stat().st_size > 0
+    # headline of experiment 1: v2 minus FedAvg-PEFT at today's external shift, stain-invariant encoder
+    dose = json.loads((root / "dose_response/dose_response.json").read_text())
+    cell = next(d for d in dose["v2_vs_fedavg"] if d["encoder"] == "stain_invariant" and d["severity"] == 1.0)
+    preds = root / "dose_response/stain_invariant/predictions"
+    at_1 = lambda r: float(r["severity"]) == 1.0  # noqa: E731
+    v2, fedavg = (_macro_f1_of([preds / f"{m}/seed11.csv"], at_1) for m in ("past_v2", "fedavg_peft"))
+    assert cell["difference"] == pytest.approx(v2 - fedavg, abs=1e-12)
+    assert cell["images"] == 3 * 5 and cell["ci_low"] <= cell["difference"] <= cell["ci_high"]
+    # experiment 3: the left-out site's score is recomputed from the condition's own predictions
+    loso = json.loads((root / "leave_one_site_out/leave_one_site_out.json").read_text())
+    row = next(r for r in loso["per_site"] if r["method"] == "past_v2" and r["left_out"] == "C1")
+    external = root / "leave_one_site_out/C1/predictions/past_v2/seed11/external.csv"
+    assert row["macro_f1"] == pytest.approx(_macro_f1_of([external]), abs=1e-12)
+    manifest = root / "leave_one_site_out/C1/manifest/manifest.csv"
+    assert ",C1," not in manifest.read_text()  # client C1 no longer trains
+    leak = json.loads((root / "leakage/leakage.json").read_text())
+    assert {r["policy"] for r in leak["per_policy"]} == {"ignore_families", "representatives"}
+    cal = json.loads((root / "calibration/calibration.json").read_text())
+    assert all(0.05 <= r["temperature"] <= 20 for r in cal["per_run"])

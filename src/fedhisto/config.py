@@ -233,6 +233,9 @@ class TrainConfig(Strict):
 class EvaluateConfig(Strict):
     eval_batch: int = Field(32, ge=1)
     ece_bins: int = Field(15, ge=2)
+    temperature_scaling: bool = Field(
+        False, description="[ours] divide logits by a temperature fitted on each run's validation predictions "
+                           "before writing test/holdout/external probabilities; off in the study")
 
 
 class Comparison(Strict):

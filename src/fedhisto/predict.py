@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from fedhisto import CLASSES
+from fedhisto.calibration import apply_temperature, fit_temperature
 from fedhisto.config import Config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import Method
 from fedhisto.model.build import build_model, pick_device
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.predictions import MEMBER_COLUMN, write_predictions
+from fedhisto.predictions import MEMBER_COLUMN, read_predictions, write_predictions
 from fedhisto.provenance import provenance_block, runtime_block, write_sidecar
 from fedhisto.stages import stage_block
 from fedhisto.train.data import load_partitions
@@ -62,6 +63,23 @@ def load_run(method: str, seed: int, train_dir: Path, manifest_json: str | Path,
     return m, model, ckpt["best"]["members"], status, device
 
 
+def member_temperatures(train_dir: Path, members: list[str]) -> dict[str, float]:
+    """``evaluate.temperature_scaling``: one temperature per model, fitted on its own validation
+    predictions (the split that selected its checkpoint), never on what it is then applied to."""
+    path = train_dir / "validation_predictions.csv"
+    if not path.exists():
+        raise PredictionRefused(f"{path}: missing; temperature scaling is fitted on the run's validation predictions")
+    val = read_predictions(path)
+    missing = [m for m in members if m not in val and not (len(val) == 1 and len(members) == 1)]
+    if missing:
+        raise PredictionRefused(f"{path}: no validation predictions of model(s) {missing}")
+    out = {}
+    for m in members:
+        _, y, probs = val[m] if m in val else next(iter(val.values()))
+        out[m] = fit_temperature(probs, y)
+    return out
+
+
 def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str | Path, manifest_json: str | Path,
                 descriptors_json: str | Path, cfg: Config, out_dir: str | Path, encoder_dir: str | None = None,
                 threads: int = 1) -> dict:
@@ -80,6 +98,9 @@ def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str
                             {"checkpoint": train_dir / "checkpoint.pt", "manifest": manifest_csv,
                              "descriptors": descriptors_json})
     prov["runtime"] = runtime_block(device)
+    temperatures = member_temperatures(train_dir, list(members)) if cfg.evaluate.temperature_scaling else {}
+    if temperatures:
+        prov["temperatures"] = temperatures
     counts = {}
     for cohort, keys in groups.items():
         rows = []
@@ -88,6 +109,8 @@ def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str
             for key, who in keys:
                 split = parts[key]
                 probs = predict(model, split, desc.get(who, desc["global"]), cfg, device).numpy()
+                if temperatures:
+                    probs = apply_temperature(probs, temperatures[member])
                 for sid, y, p in zip(split.ids, split.labels, probs, strict=True):
                     info = meta[sid]
                     rows.append({"sample_id": sid, "label": CLASSES[y],

@@ -59,10 +59,11 @@ def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
         return {"method": method, "seed": seed, "train": training_settings(cfg, method),
                 "model": _model(cfg), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
     if stage == "predict":
+        scaled = {"temperature_scaling": True} if cfg.evaluate.temperature_scaling else {}
         return {"method": wildcards["method"], "seed": int(wildcards["seed"]), "views": dump(cfg.views),
-                "eval_batch": cfg.evaluate.eval_batch}
-    if stage == "metrics":
-        return dump(cfg.evaluate)
+                "eval_batch": cfg.evaluate.eval_batch, **scaled}
+    if stage == "metrics":  # temperature scaling acts in predict; its default leaves this block as it was
+        return cfg.evaluate.model_dump(mode="json", exclude={"temperature_scaling"})
     if stage == "bootstrap":
         name = wildcards["comparison"]
         return {"comparison": dump(cfg.bootstrap.comparisons[name]),

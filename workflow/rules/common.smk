@@ -4,6 +4,7 @@ from snakemake.utils import validate
 
 from fedhisto.bootstrap import comparison_files
 from fedhisto.config import load_config
+from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.stages import stage_block
 

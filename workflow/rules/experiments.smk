@@ -240,7 +240,3 @@ rule calibrate_checkpoints:
     script:
         "../../scripts/experiments.py"
 
-
-rule experiments:
-    input:
-        X.all_outputs(),
