@@ -17,7 +17,7 @@ if "snakemake" in globals():
 
         run_render_shift(cfg, Path(smk.output.cohort).parent, threads=smk.threads)
     elif rule == "pretrain_plain_encoder":
-        from fedhisto.experiments import plain_encoder_config
+        from fedhisto.experiments.layout import plain_encoder_config
         from fedhisto.pretrain import run_pretrain
 
         run_pretrain(plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads)
