@@ -14,7 +14,10 @@ Figures, all measured in the same process on the same device:
   and their ratio to ``matmul_tflops``;
 - ``peak_memory_gib``: peak device memory (GPU), or the process's peak resident memory (CPU);
 - ``host_view_pairs_s``: paired stain views made on the host per second by one process (the
-  engines' data path; the timings above use views already on the device, kept as uint8).
+  engines' data path; the timings above use views already on the device, kept as uint8);
+- ``device_view_pairs_s``: the same paired views made by ``fedhisto.views_device`` on the bench
+  device, a batch of ``members x micro`` pairs per call (parameters drawn on the host, pixels from
+  uint8 images kept on the device), images and output sized as for ``host_view_pairs_s``.
 
 Views are synthetic uint8 tiles on the device (timing does not depend on content); the encoder has
 the chosen shape with random weights (no download). Members are clients of one round (or seeds).
@@ -48,6 +51,7 @@ from fedhisto.train.batched import (
 )
 from fedhisto.train.data import Split
 from fedhisto.views import training_views
+from fedhisto.views_device import DeviceImages, draw_views, render_views
 
 SHAPES = {"tiny": {"adapter_hidden": 32, "film_hidden": 32},
           "hibou-b": {"adapter_hidden": 256, "film_hidden": 64}}
@@ -103,6 +107,23 @@ def host_view_rate(crop: int, n: int = 16) -> float:
     return n / (time.perf_counter() - start)
 
 
+def device_view_rate(crop: int, device: torch.device, batch: int, iters: int = 3) -> float:
+    """Paired stain views per second made by ``render_views`` on ``device``, ``batch`` pairs per call
+    (the per-step host work, drawing the parameters, included)."""
+    cfg = load_config({"views": {"crop_size": crop}}).views
+    rng = np.random.default_rng(0)
+    store = DeviceImages([rng.integers(0, 256, (2 * crop, 2 * crop, 3), dtype=np.uint8) for _ in range(batch)], device)
+    index = torch.arange(batch, device=device)
+    epoch = iter(range(1 << 30))  # fresh draws every call, as every step has
+
+    def make() -> None:
+        e = next(epoch)
+        draws = [draw_views(11, e, f"{k:016x}", 2 * crop, 2 * crop, cfg, paired=True) for k in range(batch)]
+        render_views(store, index, draws, cfg)
+
+    return batch / _timed(make, device, iters, warmup=1)
+
+
 def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: int = 2, iters: int | None = None,
               warmup: int | None = None, inference_batch: int | None = None, compile: bool = False,
               device: torch.device | None = None) -> dict:
@@ -130,7 +151,7 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     dummy = Split([f"{k:016x}" for k in range(micro)], y.tolist(), [])
     desc = torch.zeros(1, 14, device=device)
     state = model.trainable_state()
-    runs = [LocalRun(model=model, data=dummy, descriptor=desc, payload={}, start_state=state, params={},
+    runs = [LocalRun(model=model, data=dummy, descriptor=desc, payload={}, start_state=state, params={}, nominal_batch=micro,
                      ce_weights=class_balanced_weights(dummy.class_counts()).to(device), cfg=cfg, seed=11,
                      round_idx=0, client_idx=m, device=device) for m in range(members)]
     batch = Batch(np.arange(micro), y, 0, 0, 0)
@@ -221,6 +242,7 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
         "inference_batch": inference_batch, "inference_images_s": _sig(inference_batch / inf_s),
         "peak_memory_gib": _sig(mem), "peak_memory_kind": "device" if device.type == "cuda" else "process RSS",
         "host_view_pairs_s": _sig(host_view_rate(crop)),
+        "device_view_pairs_s": _sig(device_view_rate(crop, device, pairs)), "device_view_batch": pairs,
     }
     if step_flops is not None:
         out["batched_tflops"] = _sig(step_flops / bat_s / 1e12)
@@ -246,6 +268,8 @@ def format_table(r: dict) -> str:
                            f"({100 * r['inference_ratio']:.1f} % of peak)"),
              (f"peak memory ({r['peak_memory_kind']})", f"{r['peak_memory_gib']:.2f} GiB"),
              ("host views (1 process)", f"{r['host_view_pairs_s']:.4g} pairs/s")]
+    if "device_view_pairs_s" in r:  # results written before the device views existed lack it
+        rows.append(("device views", f"{r['device_view_pairs_s']:.4g} pairs/s at batch {r['device_view_batch']}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
