@@ -22,7 +22,7 @@ from fedhisto.calibration import apply_temperature, brier, fit_temperature, nll,
 from fedhisto.config import Config
 from fedhisto.evaluation import ece
 from fedhisto.experiments.stats import interval
-from fedhisto.figures import plot_reliability, save_figure
+from fedhisto.figures import legend_outside, plot_reliability, save_figure
 from fedhisto.predictions import read_predictions
 from fedhisto.provenance import provenance_block
 
@@ -86,7 +86,7 @@ def summarise_calibration(runs: list[tuple[str, int, str, str, str]], cfg: Confi
     out = Path(out_dir)
     write_csv(out / "calibration.csv", per_method, list(per_method[0]))
     write_csv(out / "per_run.csv", per_run, list(per_run[0]))
-    _figure(diagrams, out / "calibration.png")
+    _figure(diagrams, bins, out / "calibration.png")
     summary = {"design": {**x.calibration.model_dump(mode="json"), "methods": list(x.methods), "seeds": list(x.seeds),
                           "fitted_on": "validation predictions of each run", "applied_to": list(COHORTS)},
                "resamples": x.resamples, "per_method": per_method, "per_run": per_run,
@@ -98,9 +98,9 @@ def summarise_calibration(runs: list[tuple[str, int, str, str, str]], cfg: Confi
     return summary
 
 
-def _figure(diagrams: dict, path: Path) -> None:
+def _figure(diagrams: dict, bins: int, path: Path) -> None:
     methods = sorted({m for m, _ in diagrams})
-    fig, axes = plt.subplots(len(COHORTS), len(methods), figsize=(3.3 * len(methods) + 2.0, 3.4 * len(COHORTS)),
+    fig, axes = plt.subplots(len(COHORTS), len(methods), figsize=(3.3 * len(methods) + 3.2, 3.4 * len(COHORTS)),
                              squeeze=False, sharex=True, sharey=True)
     for i, cohort in enumerate(COHORTS):
         for j, method in enumerate(methods):
@@ -109,6 +109,6 @@ def _figure(diagrams: dict, path: Path) -> None:
             plot_reliability(ax, d["before"], "before")
             plot_reliability(ax, d["after"], "after temperature scaling")
             ax.set_title(f"{method} / {cohort}", fontsize=9)
-            if j:
-                ax.get_legend() and ax.get_legend().remove()
+    legend_outside(axes[0, -1])  # one legend, right of the last panel: never over a diagram
+    fig.suptitle(f"reliability ({bins} bins, per-bin 95 % CI) before and after temperature scaling")
     save_figure(fig, path)
