@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhisto.atomic import atomic_path, write_json
+from fedhisto.atomic import atomic_path, write_json, write_text
 from fedhisto.provenance import (
     config_hash,
     digest_path,
@@ -25,6 +25,18 @@ def test_failed_write_leaves_nothing_and_keeps_old(tmp_path: Path):
         raise RuntimeError("boom")
     assert json.loads(target.read_text()) == {"v": 1}
     assert list(tmp_path.iterdir()) == [target]
+
+
+def test_artifacts_get_the_mode_of_a_new_file_not_mkstemps_0600(tmp_path: Path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        write_text(tmp_path / "a.txt", "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o644  # group and others may read results
 
 
 def test_config_hash_ignores_key_order_but_not_values():
