@@ -168,3 +168,31 @@ def test_default_engine_leaves_the_run_identity_unchanged():
     assert "engine" not in training_settings(load_config(CFG), "past_v2")
     batched = load_config({**CFG, "train": {**CFG["train"], "engine": "batched"}})
     assert training_settings(batched, "past_v2")["engine"] == "batched"
+
+
+@pytest.mark.parametrize("name", ["fedavg_peft", "past_v2"])
+def test_device_view_pipeline_trains_a_round_like_the_host_pipeline(name: str):
+    """train.view_pipeline device: the same draws rendered on the device (pixels within interpolation
+    rounding, tests/test_views_device.py), so a round moves the state the same way. The bound is on the
+    difference relative to the update itself: a view differing by ~0.1-0.4 % of the pixel range may
+    bend an update by a few per cent, never redirect it."""
+    cfg, method, model, device, jobs = round_inputs(name)
+    host = batched_local_train(method, model, jobs, cfg, device)
+    on_device = load_config({**CFG, "train": {**CFG["train"], "view_pipeline": "device"}})
+    dev = batched_local_train(build_method(name, on_device), model, jobs, on_device, device)
+    for h, d, j in zip(host, dev, jobs, strict=True):
+        update = sum(float((h.state[k] - j.start_state[k]).norm() ** 2) for k in h.state) ** 0.5
+        gap = sum(float((h.state[k] - d.state[k]).norm() ** 2) for k in h.state) ** 0.5
+        assert update > 0 and gap < 0.1 * update, (gap, update)
+        assert gap > 0  # the device path really ran (its pixels are not bit-identical)
+
+
+def test_view_pipeline_default_leaves_identity_and_fedstain_refuses_device_views():
+    from fedhisto.stages import training_settings
+
+    assert "view_pipeline" not in training_settings(load_config(CFG), "past_v2")
+    on_device = load_config({**CFG, "train": {**CFG["train"], "view_pipeline": "device"}})
+    assert training_settings(on_device, "past_v2")["view_pipeline"] == "device"
+    _, _, model, device, jobs = round_inputs("fedstain")
+    with pytest.raises(ValueError, match=r"train\.view_pipeline"):
+        batched_local_train(build_method("fedstain", on_device), model, jobs, on_device, device)

@@ -224,6 +224,9 @@ class TrainConfig(Strict):
     engine: Literal["sequential", "batched"] = Field(
         "sequential", description="[ours] local training one client after the other, or every client of a round in "
                                   "one encoder pass (train.batched: same math, dropout masks drawn once for the stack)")
+    view_pipeline: Literal["host", "device"] = Field(
+        "host", description="[ours] training views made on the host, or on the device from uint8 images kept there "
+                            "(fedhisto.views_device: same draws, pixels within interpolation rounding)")
     past: PastConfig = PastConfig()
     fedstain: FedStainConfig = FedStainConfig()
     fedstain_code: FedStainCodeConfig = FedStainCodeConfig()

@@ -25,6 +25,8 @@ def training_settings(cfg: Config, method: str) -> dict[str, Any]:
         train.pop(key, None)
     if train.get("engine") == "sequential":  # the default engine leaves existing run identities as they were
         train.pop("engine")
+    if train.get("view_pipeline") == "host":  # likewise the default view pipeline
+        train.pop("view_pipeline")
     return train
 
 

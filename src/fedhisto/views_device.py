@@ -245,3 +245,19 @@ def render_views(images: DeviceImages, index: torch.Tensor, draws: Sequence[View
     mean = torch.tensor(cfg.mean, device=img.device).view(1, 1, 3, 1, 1)
     std = torch.tensor(cfg.std, device=img.device).view(1, 1, 3, 1, 1)
     return (img - mean) / std
+
+
+def device_views(split, idx: Sequence[int], cfg: ViewsConfig, seed: int, epoch: int, paired: bool,
+                 device: torch.device | str, stain_single: bool | None = None) -> torch.Tensor:
+    """``train.view_pipeline: device``: the views of ``split`` images ``idx`` (V, B, 3, S, S) on the
+    device, as ``training_views`` draws them. The split's uint8 images go to the device once and stay
+    there across rounds (cached on the split, per device)."""
+    cache = split.__dict__.setdefault("_device_images", {})
+    key = str(torch.device(device))
+    if key not in cache:
+        cache[key] = DeviceImages.from_split(split, device)
+    images = cache[key]
+    draws = [draw_views(seed, epoch, split.ids[i], images.heights[i], images.widths[i], cfg, paired, stain_single)
+             for i in idx]
+    index = torch.as_tensor(np.asarray(idx, dtype=np.int64)).to(images.device, non_blocking=True)
+    return render_views(images, index, draws, cfg)

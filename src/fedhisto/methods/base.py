@@ -40,6 +40,7 @@ from fedhisto.federated.weights import SampleMass
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
 from fedhisto.train.data import Split
 from fedhisto.views import training_views
+from fedhisto.views_device import device_views
 
 GLOBAL = "global"
 
@@ -219,6 +220,9 @@ class Method:
         view, or the two stain views of ``paired_views``). Engines forward them, then call
         ``terms_from_outputs``: the sequential engine one view at a time, the batched engine
         (``train.batched``) every member's views in one encoder pass."""
+        if run.cfg.train.view_pipeline == "device":
+            return BatchInputs(list(device_views(run.data, batch.idx, run.cfg.views, run.seed, batch.view_epoch,
+                                                 self.paired_views, run.device)))
         views = [training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
                                 self.paired_views) for i in batch.idx]
         return BatchInputs([torch.stack([v[k] for v in views]) for k in range(len(views[0]))])

@@ -217,6 +217,9 @@ class FedStain(Method):
     def plain_views(run: LocalRun, batch: Batch) -> tuple[torch.Tensor, np.random.Generator]:
         """The plain geometric view of each image (FedStain builds its own views from it) and the
         batch's stream for those views."""
+        if run.cfg.train.view_pipeline == "device":  # never silently the host path under a device setting
+            raise ValueError("train.view_pipeline: device is not available for fedstain / fedstain_code (their "
+                             "views are built from host plain views); set train.view_pipeline: host for them")
         x = torch.stack([training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
                                         False, stain_single=False)[0] for i in batch.idx])
         return x, named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
