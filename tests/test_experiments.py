@@ -78,7 +78,9 @@ def test_leave_one_site_out_moves_the_whole_site_to_the_test_cohort(corpus, tmp_
     assert not any(r["site"] == "site2" for r in after if r["split"] in ("validation", "test"))
     for r in after:  # the other clients' data is untouched; the study's external cohort is set aside
         if r["sample_id"] not in external and r["cohort"] == "internal":
-            assert r["split"] == by_id[r["sample_id"]]["split"] and r["client"] == by_id[r["sample_id"]]["client"]
+            unchanged = r["split"] == by_id[r["sample_id"]]["split"] and r["client"] == by_id[r["sample_id"]]["client"]
+            set_aside = r["split"] == "unused" and r["family"] in {by_id[i]["family"] for i in external}
+            assert unchanged or set_aside
         if r["cohort"] == "external":
             assert r["split"] == "unused"
     families_out = {by_id[i]["family"] for i in external}
@@ -99,7 +101,7 @@ def test_layout_reuses_main_runs_and_names_every_input():
     assert layout.condition_inputs(cfg, "dose_response/plain")["encoder"] == [layout.PLAIN_ENCODER]
     loso = layout.condition_inputs(cfg, "leave_one_site_out/C3")
     assert loso["manifest"] == "results/experiments/leave_one_site_out/C3/manifest/manifest.csv"
-    assert loso["descriptors"] == "results/stain/descriptors.json"
+    assert loso["descriptors"] == "results/experiments/leave_one_site_out/C3/stain/descriptors.json"
     assert layout.condition_inputs(cfg, "leakage/whole_families")["descriptors"] == \
         "results/experiments/leakage/whole_families/stain/descriptors.json"
     assert layout.leakage_manifest(cfg, "representatives") == "results/manifest/manifest.csv"
@@ -119,6 +121,9 @@ def test_experiments_config_rejects_designs_without_their_comparison():
         load_config({"experiments": {"leakage": {"policies": ["representatives", "whole_families"]}}})
     with pytest.raises(Exception, match="ascending"):
         load_config({"experiments": {"dose_response": {"severities": [1.0, 0.0]}}})
+    plain_main = load_config({"model": {"pretrain": {"stain_views": False}}})  # a valid study config
+    with pytest.raises(ValueError, match="stain_views"):
+        layout.shifted_inputs(plain_main, "stain_invariant", "past_v2", 11)
     with pytest.raises(Exception, match="unknown method"):
         load_config({"experiments": {"leakage": {"methods": ["nope"]}}})
 
@@ -138,3 +143,16 @@ def test_replicates_start_with_the_point_estimate_and_bracket_it():
     same = difference(reps["macro_f1"], reps["macro_f1"])
     assert same["estimate"] == 0.0 and same["ci_low"] == same["ci_high"] == 0.0 and same["p_two_sided"] == 1.0
     assert np.array_equal(metric_replicates(y, probs, 500, seed=3)["ece"], reps["ece"])  # seeded
+
+
+def test_leave_one_site_out_under_whole_families_sets_cross_site_relatives_aside(corpus, tmp_path: Path):
+    sources, families, edges = corpus
+    cfg = load_config({"clearance": {"family_policy": "whole_families"}})
+    run_manifest(sources, families, edges, cfg, tmp_path / "main")
+    summary = leave_one_site_out_manifest(tmp_path / "main/manifest.csv", tmp_path / "main/manifest.json", "C2", cfg,
+                                          tmp_path / "loso")
+    after = _rows(tmp_path / "loso/manifest.csv")
+    test_families = {r["family"] for r in after if r["split"] == "external"}
+    kept = [r for r in after if r["split"] in ("optimisation", "holdout", "validation", "test")]
+    assert kept and not any(r["family"] in test_families for r in kept)
+    assert summary["relatives_set_aside"] > 0  # this corpus plants copies across sites: the rule did act

@@ -40,7 +40,9 @@ def _errors(estimates, lows, highs) -> np.ndarray:
     """2 x n distances below and above the estimate, as ``yerr`` / ``xerr`` want them; a missing
     value (None, NaN) draws no bar rather than a misleading zero-width one."""
     est, lo, hi = (np.asarray(v, dtype=float) for v in (estimates, lows, highs))
-    return np.nan_to_num(np.vstack([est - lo, hi - est]), nan=0.0)
+    # a percentile interval can exclude its own point estimate (a metric that drops absent classes):
+    # matplotlib refuses negative error lengths, so such a side is drawn as zero, not crashed on
+    return np.clip(np.nan_to_num(np.vstack([est - lo, hi - est]), nan=0.0), 0.0, None)
 
 
 def plot_bars_with_ci(ax, labels: Sequence[str], estimates, lows, highs, color=None, label: str | None = None,

@@ -142,7 +142,7 @@ rule predict_shifted_cohort:
     log:
         "logs/experiments/dose_response/{encoder}/predict/{method}/seed{seed}.log",
     params:
-        block=lambda wildcards: stage_block(CFG, "predict", method=wildcards.method, seed=wildcards.seed),
+        block=lambda wildcards: X.shifted_block(CFG, wildcards.method, wildcards.seed),
     threads: 1
     resources:
         mem_mb=predict_mem_mb,

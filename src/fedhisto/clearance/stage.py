@@ -58,6 +58,10 @@ def refile(families: list[dict], policy: str) -> list[dict]:
     """families.csv rows with ``keep`` recomputed for another policy (the leakage experiment reuses
     one clearance audit for every policy; the families themselves do not depend on it)."""
     home = {r["family"]: r["cohort"] for r in families if r["representative"] in (True, "True")}
+    orphans = sorted({r["family"] for r in families} - set(home))
+    if orphans:
+        raise ClearanceError(f"families.csv: family {orphans[0]} (and {len(orphans) - 1} more) has no representative "
+                             "row; rerun clearance")
     return [{**r, "keep": kept_by(policy, r["representative"] in (True, "True"), r["cohort"], home[r["family"]])}
             for r in families]
 

@@ -9,6 +9,7 @@ after are resampled with the same images, so their difference is a paired one.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib
@@ -24,7 +25,7 @@ from fedhisto.evaluation import ece
 from fedhisto.experiments.stats import interval
 from fedhisto.figures import legend_outside, plot_reliability, save_figure
 from fedhisto.predictions import read_predictions
-from fedhisto.provenance import provenance_block
+from fedhisto.provenance import provenance_block, sidecar_path
 
 STAGE = "experiments"
 COHORTS = ("test", "external")
@@ -36,6 +37,10 @@ def _scores(probs: np.ndarray, y: np.ndarray, bins: int) -> dict[str, float]:
 
 
 def _single(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
+    sidecar = sidecar_path(path)
+    if sidecar.exists() and "temperatures" in json.loads(sidecar.read_text()):
+        raise ValueError(f"{path}: already temperature-scaled (evaluate.temperature_scaling: true); the calibration "
+                         "experiment needs the raw probabilities, set evaluate.temperature_scaling: false")
     got = read_predictions(path)
     if len(got) != 1:
         raise ValueError(f"{path}: {len(got)} models per image; calibration scores single-model methods")

@@ -4,8 +4,9 @@
   (the families themselves do not depend on it) and the manifest stage run on them unchanged.
 - ``leave_one_site_out/<client>``: the main manifest with the client's images (pool and holdout)
   and its sites' share of validation and test moved to the ``external`` split (validation then
-  holds training sites only, as domain generalisation requires) and the study's external cohort
-  set aside, so the predict stage's ``external`` cohort is the left-out site.
+  holds training sites only, as domain generalisation requires), every other member of their
+  augmentation families set aside (``whole_families`` lets a family span sites) and the study's
+  external cohort set aside, so the predict stage's ``external`` cohort is the left-out site.
 """
 
 from __future__ import annotations
@@ -53,17 +54,23 @@ def leave_one_site_out_manifest(manifest_csv: str | Path, manifest_json: str | P
     if not sites or not any(r["client"] == client for r in rows):
         raise ConditionError(f"{manifest_csv}: client {client!r} has no images (manifest.client_sites: "
                              f"{cfg.manifest.client_sites.get(client)})")
+    # the client's own images and its sites' share of validation and test become the test cohort;
+    # under whole_families a family can span sites, so any other member of those families (another
+    # client's copy, a validation relative) is set aside: nothing left to train or select on is a
+    # relative of a test image
+    left = {r["sample_id"] for r in rows if r["client"] == client
+            or (not r["client"] and r["split"] in ("validation", "test") and r["site"] in sites)}
+    families = {r["family"] for r in rows if r["sample_id"] in left}
     moved: Counter = Counter()
+    relatives = 0
     out_rows = []
     for r in rows:
         r = dict(r)
-        # the client's own images and its sites' share of validation and test: no family of either
-        # reaches another partition (the manifest's boundary audit), so nothing left in training is a
-        # relative of a test image; another client's copy filed under this site stays where it is
-        if r["client"] == client or (not r["client"] and r["split"] in ("validation", "test") and r["site"] in sites):
+        if r["sample_id"] in left:
             moved[r["split"] if not r["client"] else f"{r['client']}:{r['split']}"] += 1
             r.update(partition="external", client="", split="external")
-        elif r["cohort"] == "external":
+        elif r["cohort"] == "external" or (r["family"] in families and r["split"] != "unused"):
+            relatives += r["cohort"] == "internal"
             r.update(partition="unused", client="", split="unused")
         out_rows.append(r)
     out = Path(out_dir)
@@ -74,6 +81,7 @@ def leave_one_site_out_manifest(manifest_csv: str | Path, manifest_json: str | P
     summary = {"dataset_identity": dataset_identity(out_rows), "images": len(out_rows), "left_out": client,
                "left_out_sites": sorted(sites), "moved_to_external": dict(sorted(moved.items())),
                "external_images": sum(r["split"] == "external" for r in out_rows),
+               "relatives_set_aside": relatives,
                "family_policy": cfg.clearance.family_policy, "provenance": prov}
     write_json(out / "manifest.json", summary)
     for name in ("manifest.csv", "composition.csv"):

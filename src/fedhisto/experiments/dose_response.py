@@ -21,7 +21,7 @@ from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
 from fedhisto.experiments.stats import metric_replicates, paired_macro_f1, summarise
 from fedhisto.figures import plot_lines_with_bands, save_figure
-from fedhisto.predictions import ensemble
+from fedhisto.predictions import AlignmentError, ensemble
 from fedhisto.provenance import provenance_block
 
 STAGE = "experiments"
@@ -44,12 +44,21 @@ def summarise_dose_response(runs: list[tuple[str, str, int, str]], cohort_csv: s
         files[(condition.split("/")[-1], method)].append(path)
     cells, diffs = [], []
     ensembles: dict[tuple[str, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    first_ids: list[str] | None = None
     for (encoder, method), paths in files.items():
         ids, y, probs = ensemble(paths)
+        unknown = [i for i in ids if i not in severity_of]
+        if unknown:
+            raise AlignmentError(f"{paths[0]}: {len(unknown)} sample id(s) not in {cohort_csv} (e.g. {unknown[0]})")
+        if first_ids is not None and ids != first_ids:  # the paired differences need the same images
+            raise AlignmentError(f"{paths[0]}: its images differ from the other methods' shifted predictions")
+        first_ids = ids
         ensembles[(encoder, method)] = (np.array([severity_of[i] for i in ids]), y, probs)
     for (encoder, method), (sev, y, probs) in sorted(ensembles.items()):
         for s in x.dose_response.severities:
             sel = sev == s
+            if not sel.any():
+                raise AlignmentError(f"{cohort_csv}: no image at severity {s} (experiments.dose_response.severities)")
             reps = metric_replicates(y[sel], probs[sel], x.resamples, x.bootstrap_seed, x.calibration.bins)
             cells.append({"encoder": encoder, "severity": s, "method": method, "seeds": len(files[(encoder, method)]),
                           "images": int(sel.sum()), **summarise(reps, METRICS)})

@@ -10,6 +10,7 @@ calls it at parse time.
 from __future__ import annotations
 
 from fedhisto.config import Config
+from fedhisto.stages import stage_block
 
 ROOT = "results/experiments"
 EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration")
@@ -40,11 +41,9 @@ def condition_inputs(cfg: Config, condition: str) -> dict[str, str | list[str]]:
         return {"manifest": "results/manifest/manifest.csv", "identity": "results/manifest/manifest.json",
                 "descriptors": "results/stain/descriptors.json",
                 "encoder": [PLAIN_ENCODER] if condition == PLAIN else main_encoder}
-    if condition.startswith("leave_one_site_out/"):  # client pools unchanged: the main descriptors
-        folder = f"{ROOT}/{condition}/manifest"
-        return {"manifest": f"{folder}/manifest.csv", "identity": f"{folder}/manifest.json",
-                "descriptors": "results/stain/descriptors.json", "encoder": main_encoder}
-    if condition.startswith("leakage/"):  # other pools: their own stain descriptors
+    if condition.startswith(("leave_one_site_out/", "leakage/")):
+        # own stain descriptors: other pools (leakage), or four clients whose standardisation and
+        # centroid must not see the left-out site (leave-one-site-out)
         folder = f"{ROOT}/{condition}"
         return {"manifest": f"{folder}/manifest/manifest.csv", "identity": f"{folder}/manifest/manifest.json",
                 "descriptors": f"{folder}/stain/descriptors.json", "encoder": main_encoder}
@@ -118,6 +117,9 @@ def condition_manifest_inputs(condition: str) -> dict[str, str]:
 def shifted_inputs(cfg: Config, encoder: str, method: str, seed: int) -> dict[str, str | list[str]]:
     """A dose-response run's checkpoint (main runs for the stain-invariant encoder) and what it predicts with."""
     condition = f"dose_response/{encoder}"
+    if encoder == "stain_invariant" and not cfg.model.pretrain.stain_views:  # evaluated only when the job is needed
+        raise ValueError("experiments.dose_response.encoders names 'stain_invariant' (the main runs) but "
+                         "model.pretrain.stain_views is false: the main encoder is then the plain one")
     return {"status": f"{run_dir(cfg, condition, 'train', method, seed)}/status.json",
             "cohort": f"{ROOT}/dose_response/cohort/cohort.csv", **condition_inputs(cfg, condition)}
 
@@ -126,7 +128,15 @@ def experiment_block(cfg: Config, name: str) -> dict:
     """What an experiment's summary depends on beyond its input files."""
     x = cfg.experiments
     return {"experiment": name, "methods": x.methods, "seeds": x.seeds, "resamples": x.resamples,
-            "bootstrap_seed": x.bootstrap_seed, name: getattr(x, name).model_dump(mode="json")}
+            "bootstrap_seed": x.bootstrap_seed, "bins": x.calibration.bins,  # ECE bins of every experiment
+            name: getattr(x, name).model_dump(mode="json")}
+
+
+def shifted_block(cfg: Config, method: str, seed: int) -> dict:
+    """Shifted-cohort predictions are never temperature-scaled: the predict block without that flag."""
+    block = stage_block(cfg, "predict", method=method, seed=seed)
+    block.pop("temperature_scaling", None)
+    return block
 
 
 def leakage_predictions(cfg: Config) -> list[tuple[str, str, int, str]]:

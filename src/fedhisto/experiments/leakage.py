@@ -48,6 +48,8 @@ def summarise_leakage(runs: list[tuple[str, str, int, str]], manifests: dict[str
         leaked = relatives_in_training(manifests[policy])
         for method in methods:
             paths = [p for pol, m, _s, p in runs if pol == policy and m == method]
+            if not paths:
+                raise ValueError(f"no predictions of {method} for policy {policy}")
             ids, y, probs = ensemble(paths)
             reps[(policy, method)] = metric_replicates(y, probs, x.resamples, x.bootstrap_seed + 1009 * k)
             rows.append({"policy": policy, "method": method, "seeds": len(paths), "test_images": len(ids),

@@ -37,6 +37,8 @@ def summarise_leave_one_site_out(runs: list[tuple[str, str, int, str]], cfg: Con
         per_site = {}
         for k, site in enumerate(sites):
             paths = [p for c, m, _s, p in runs if c == site and m == method]
+            if not paths:
+                raise ValueError(f"no predictions of {method} for site {site}")
             ids, y, probs = ensemble(paths)
             per_site[site] = metric_replicates(y, probs, x.resamples, x.bootstrap_seed + 1009 * k)
             rows.append({"left_out": site, "method": method, "seeds": len(paths), "images": len(ids),
