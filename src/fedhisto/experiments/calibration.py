@@ -19,9 +19,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from fedhisto.atomic import write_csv, write_json
-from fedhisto.calibration import apply_temperature, brier, fit_temperature, nll, reliability_bins
+from fedhisto.calibration import apply_temperature, calibration_measures, fit_temperature, reliability_bins
 from fedhisto.config import Config
-from fedhisto.evaluation import ece
 from fedhisto.experiments.stats import interval
 from fedhisto.figures import legend_outside, plot_reliability, save_figure
 from fedhisto.predictions import read_predictions
@@ -30,10 +29,6 @@ from fedhisto.provenance import provenance_block, sidecar_path
 STAGE = "experiments"
 COHORTS = ("test", "external")
 SCORES = ("nll", "brier", "ece")
-
-
-def _scores(probs: np.ndarray, y: np.ndarray, bins: int) -> dict[str, float]:
-    return {"nll": nll(probs, y), "brier": brier(probs, y), "ece": ece(probs, y, bins)}
 
 
 def _single(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -61,7 +56,7 @@ def summarise_calibration(runs: list[tuple[str, int, str, str, str]], cfg: Confi
         for cohort, path in zip(COHORTS, (test_csv, ext_csv), strict=True):
             ids, y, p = _single(path)
             after = apply_temperature(p, t)
-            before_s, after_s = _scores(p, y, bins), _scores(after, y, bins)
+            before_s, after_s = calibration_measures(p, y, bins), calibration_measures(after, y, bins)
             per_run.append({"method": method, "seed": seed, "temperature": t, "cohort": cohort, "images": len(ids),
                             **{f"{k}_before": v for k, v in before_s.items()},
                             **{f"{k}_after": v for k, v in after_s.items()}})
@@ -76,8 +71,11 @@ def summarise_calibration(runs: list[tuple[str, int, str, str, str]], cfg: Confi
         before, after = np.mean(acc["before"], axis=0), np.mean(acc["after"], axis=0)
         rng = np.random.default_rng(rng_seed)
         picks = [np.arange(len(y))] + [rng.integers(0, len(y), len(y)) for _ in range(x.resamples)]
-        rb = {k: np.array([_scores(before[i], y[i], bins)[k] for i in picks]) for k in SCORES}
-        ra = {k: np.array([_scores(after[i], y[i], bins)[k] for i in picks]) for k in SCORES}
+        # each resample scored once (the three measures together), not once per measure
+        mb = [calibration_measures(before[i], y[i], bins) for i in picks]
+        ma = [calibration_measures(after[i], y[i], bins) for i in picks]
+        rb = {k: np.array([m[k] for m in mb]) for k in SCORES}
+        ra = {k: np.array([m[k] for m in ma]) for k in SCORES}
         for k in SCORES:
             b, a, d = interval(rb[k]), interval(ra[k]), interval(ra[k] - rb[k])
             per_method.append({"method": method, "cohort": cohort, "score": k, "seeds": len(acc["before"]),
