@@ -7,8 +7,8 @@ import pytest
 
 from fedhisto.accounting import MIB, communication_table, optimisation_sizes, run_accounting
 from fedhisto.config import load_config_file
-from fedhisto.federated.fedstain import style_traffic
-from fedhisto.federated.prototypes import prototype_traffic
+from fedhisto.fedmath.fedstain import style_traffic
+from fedhisto.fedmath.prototypes import prototype_traffic
 
 TABLE8 = {  # study Table 8: payload MiB, per-round MiB, overhead %
     "fedavg_peft": ("3.768566", "37.685661", "0.000000"),

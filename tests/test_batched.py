@@ -163,7 +163,7 @@ def test_a_round_of_the_loop_with_train_engine_batched_matches_sequential(name: 
 
 
 def test_default_engine_leaves_the_run_identity_unchanged():
-    from fedhisto.stages import training_settings
+    from fedhisto.stage_config import training_settings
 
     assert "engine" not in training_settings(load_config(CFG), "past_v2")
     batched = load_config({**CFG, "train": {**CFG["train"], "engine": "batched"}})
@@ -188,7 +188,7 @@ def test_device_view_pipeline_trains_a_round_like_the_host_pipeline(name: str):
 
 
 def test_view_pipeline_default_leaves_identity_and_fedstain_refuses_device_views():
-    from fedhisto.stages import training_settings
+    from fedhisto.stage_config import training_settings
 
     assert "view_pipeline" not in training_settings(load_config(CFG), "past_v2")
     on_device = load_config({**CFG, "train": {**CFG["train"], "view_pipeline": "device"}})

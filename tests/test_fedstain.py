@@ -9,7 +9,7 @@ import pytest
 import scipy.stats as st
 import torch
 
-from fedhisto.federated.fedstain import (
+from fedhisto.fedmath.fedstain import (
     StyleStats,
     augmix,
     channel_moments,
@@ -21,7 +21,7 @@ from fedhisto.federated.fedstain import (
     supcon,
     upload_count,
 )
-from fedhisto.federated.losses import js_divergence
+from fedhisto.fedmath.losses import js_divergence
 
 
 def stats(n: int, value: float, channels: int = 4) -> StyleStats:
@@ -116,7 +116,7 @@ def test_augmix_is_reproducible_bounded_and_changes_the_image():
 
 # ------------------------------------------------ fedstain_code: the authors' code, pixel-level
 from fedhisto.config import load_config  # noqa: E402
-from fedhisto.federated.fedstain_code import (  # noqa: E402
+from fedhisto.fedmath.fedstain_code import (  # noqa: E402
     PixelMoments,
     code_upload_count,
     pixel_moments,

@@ -79,9 +79,9 @@ def assert_same_states(a: Path, b: Path) -> None:
 def test_records_round_trip_every_hook_value_exactly():
     from flwr.app import RecordDict
 
-    from fedhisto.federated.fedstain import StyleStats
-    from fedhisto.federated.prototypes import ClientPrototypes, ServerPrototypes
     from fedhisto.federation.records import get_payload, get_value, put_payload, put_value
+    from fedhisto.fedmath.fedstain import StyleStats
+    from fedhisto.fedmath.prototypes import ClientPrototypes, ServerPrototypes
 
     g = torch.Generator().manual_seed(0)
     values = {

@@ -60,7 +60,7 @@ def test_plain_encoder_views_carry_no_stain_perturbation():
 
 
 def test_stain_views_default_leaves_stage_blocks_unchanged():
-    from fedhisto.stages import stage_block
+    from fedhisto.stage_config import stage_block
 
     default, plain = load_config(SMALL), load_config(
         {**SMALL, "model": {**SMALL["model"], "pretrain": {**SMALL["model"]["pretrain"], "stain_views": False}}})

@@ -28,12 +28,12 @@ from pathlib import Path
 
 from fedhisto.atomic import write_csv
 from fedhisto.config import Config
-from fedhisto.federated.prototypes import PrototypeTraffic, prototype_traffic  # noqa: F401 - re-exported
+from fedhisto.fedmath.prototypes import PrototypeTraffic, prototype_traffic  # noqa: F401 - re-exported
 from fedhisto.methods import build_method
 from fedhisto.model.card import meta_model, model_card
 from fedhisto.model.peft_model import DESCRIPTOR_DIM
 from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 from fedhisto.targets import holdout_count
 
 STAGE = "accounting"

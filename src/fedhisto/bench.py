@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from fedhisto.config import load_config
-from fedhisto.federated.losses import class_balanced_weights
+from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods import build_method
 from fedhisto.methods.base import Batch, LocalRun
 from fedhisto.model.encoder import ENCODER_SHAPES, random_encoder

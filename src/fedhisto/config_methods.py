@@ -1,5 +1,5 @@
 """Settings blocks of the method families (``train.<family>``): each enters the run identity of its
-own methods only (``fedhisto.stages.training_settings``)."""
+own methods only (``fedhisto.stage_config.training_settings``)."""
 
 from __future__ import annotations
 

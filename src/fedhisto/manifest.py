@@ -33,10 +33,10 @@ import numpy as np
 
 from fedhisto import CLASSES
 from fedhisto.atomic import write_csv, write_json
-from fedhisto.config import Config, PartitionTargets
+from fedhisto.config import Config
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.sources import read_sources_csv
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 from fedhisto.targets import (
     demand_rows,
     fit_factor,
@@ -69,13 +69,6 @@ def _order(ids: list[str], seed: int, *stream: int) -> list[str]:
     rng = np.random.default_rng(np.random.SeedSequence([seed, *stream]))
     ids = sorted(ids)
     return [ids[i] for i in rng.permutation(len(ids))]
-
-
-def scale_targets(targets: PartitionTargets, available: dict[str, Counter], client_sites: dict[str, list[str]],
-                  internal: Counter) -> tuple[PartitionTargets, float]:
-    """Largest common factor <= 1 under which every draw fits the corpus, and the scaled targets."""
-    factor = fit_factor(demand_rows(targets, available, client_sites, internal))
-    return (targets, 1.0) if factor >= 1.0 else (scale(targets, factor), factor)
 
 
 def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Config) -> tuple[list[dict], dict]:

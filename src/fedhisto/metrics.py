@@ -26,7 +26,7 @@ from fedhisto.config import Config
 from fedhisto.evaluation import classification_metrics, mean_over_models
 from fedhisto.predictions import MEMBER_COLUMN, SINGLE, arrays, ensemble_members, read_rows
 from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 
 STAGE = "metrics"
 SCALARS = ("accuracy", "balanced_accuracy", "macro_f1", "macro_auroc", "macro_auprc", "nll", "brier", "ece")

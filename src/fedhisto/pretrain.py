@@ -24,7 +24,7 @@ from fedhisto.config import Config
 from fedhisto.model.build import set_determinism
 from fedhisto.model.encoder import random_encoder
 from fedhisto.provenance import provenance_block, runtime_block
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 from fedhisto.views import training_views

@@ -31,7 +31,7 @@ from fedhisto.atomic import write_json, write_with
 from fedhisto.config import Config, StainConfig
 from fedhisto.imageio import load_rgb
 from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 
 STAGE = "stain"
 REFERENCE_H = np.array([0.650, 0.704, 0.286]) / np.linalg.norm([0.650, 0.704, 0.286])

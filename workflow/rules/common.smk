@@ -6,7 +6,7 @@ from fedhisto.bootstrap import comparison_files
 from fedhisto.config import load_config
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 
 
 validate(config, schema="../schemas/config.schema.json", set_default=False)

@@ -10,7 +10,7 @@ calls it at parse time.
 from __future__ import annotations
 
 from fedhisto.config import Config
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 
 ROOT = "results/experiments"
 EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration")

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedhisto.federated.fedstain import StyleStats
-from fedhisto.federated.prototypes import ClientPrototypes, ServerPrototypes
+from fedhisto.fedmath.fedstain import StyleStats
+from fedhisto.fedmath.prototypes import ClientPrototypes, ServerPrototypes
 
 STYLE_FIELDS = ("pixel_mean", "pixel_std", "feat_skew", "feat_kurt")
 

@@ -28,13 +28,13 @@ from flwr.app import ConfigRecord, RecordDict
 
 from fedhisto.atomic import write_json
 from fedhisto.config import Config
-from fedhisto.federated.aggregate import flat_update
 from fedhisto.federation.records import get_value, payload_bytes, put_members, put_payload, state_record
+from fedhisto.fedmath.aggregate import flat_update
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, descriptor_digest
 from fedhisto.provenance import provenance_block, runtime_block
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 from fedhisto.train.loop import (
     ClientFailure,
     ClientUnavailable,

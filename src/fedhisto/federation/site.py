@@ -26,7 +26,7 @@ from fedhisto import CLASSES
 from fedhisto.config import Config, load_config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
-from fedhisto.model.build import build_model, descriptor_digest, encoder_digest, pick_device
+from fedhisto.model.build import build_model, encoder_digest, pick_device
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split, _load
 from fedhisto.train.inference import predict
@@ -148,7 +148,3 @@ class Site:
             out[name] = predict(self.model, val, self.descriptors[GLOBAL], self.cfg, self.device)
         return out
 
-
-def expected_descriptor_digest(method: Method, descriptors_json: str, sites: list[str]) -> str:
-    doc = json.loads(Path(descriptors_json).read_text()) if method.film else None
-    return descriptor_digest(method.descriptors(doc, sites))

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from fedhisto.config import Config
-from fedhisto.federated.aggregate import aggregate
-from fedhisto.federated.weights import SampleMass
+from fedhisto.fedmath.aggregate import aggregate
+from fedhisto.fedmath.weights import SampleMass
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
 from fedhisto.train.data import Split
 from fedhisto.views import training_views
@@ -196,7 +196,7 @@ class Method:
     def aggregate_train(self, states: dict[str, dict[str, torch.Tensor]], weights: Sequence[float],
                         model: FedHistoModel) -> dict[str, dict[str, torch.Tensor]]:
         """Server: the new member states from the returned states. Default: delta-SVD for LoRA pairs
-        and the weighted mean for the rest (``federated.aggregate``)."""
+        and the weighted mean for the rest (``fedmath.aggregate``)."""
         names = list(states)
         return {GLOBAL: aggregate([states[n] for n in names], weights, model.lora_scaling, self.cfg.model.lora_r)}
 

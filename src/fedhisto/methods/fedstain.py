@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fedhisto.config import Config, ViewsConfig
-from fedhisto.federated.fedstain import (
+from fedhisto.fedmath.fedstain import (
     StyleStats,
     augmix,
     channel_moments,

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from fedhisto.config import Config, FedStainCodeConfig
-from fedhisto.federated.fedstain import augmix, js_multi, representation_alignment, style_traffic
-from fedhisto.federated.fedstain_code import (
+from fedhisto.fedmath.fedstain import augmix, js_multi, representation_alignment, style_traffic
+from fedhisto.fedmath.fedstain_code import (
     PixelMoments,
     code_upload_count,
     pixel_moments,

@@ -5,7 +5,7 @@ Local objective of v2 (study eq. 2):
     L = CE_cb(view 1, view 2) + 0.25 JS(p1, p2) + 0.10 (1 - cos(z1, z2)) + 0.05 L_proto,v2
 with v1's unweighted prototype attraction in place of L_proto,v2, and FedProx's
 (mu / 2) ||theta - theta_global||^2 for ``proximal``. Client weights: sample mass, or the
-adaptive heuristic of eq. 4 (``federated.weights.Adaptive``). Aggregation: delta-SVD (eq. 5).
+adaptive heuristic of eq. 4 (``fedmath.weights.Adaptive``). Aggregation: delta-SVD (eq. 5).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from typing import Any, Literal
 
 import torch
 
-from fedhisto.federated.losses import feature_consistency, js_divergence, prototype_v1, prototype_v2, proximal
-from fedhisto.federated.prototypes import (
+from fedhisto.fedmath.losses import feature_consistency, js_divergence, prototype_v1, prototype_v2, proximal
+from fedhisto.fedmath.prototypes import (
     ClientPrototypes,
     ServerPrototypes,
     aggregate_prototypes,
     client_prototypes,
     prototype_traffic,
 )
-from fedhisto.federated.weights import Adaptive, SampleMass
+from fedhisto.fedmath.weights import Adaptive, SampleMass
 from fedhisto.methods.base import Batch, LocalRun, Method, client_descriptors, zero_descriptors
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 from fedhisto.train.data import Split, eval_batches

@@ -29,7 +29,7 @@ from fedhisto.atomic import write_bytes, write_csv
 from fedhisto.config import Config, SyntheticCohort
 from fedhisto.config_experiments import DoseResponseConfig
 from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.stages import stage_block
+from fedhisto.stage_config import stage_block
 from fedhisto.synth.cohort import (
     BASE_EDGE,
     LH_DIFF,

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhisto.config import Config
-from fedhisto.federated.losses import class_balanced_weights
+from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods.base import Batch, LocalRun, Method, named_rng
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from fedhisto.atomic import atomic_path
 from fedhisto.config import Config
 from fedhisto.evaluation import macro_f1 as macro_f1_of
-from fedhisto.federated.aggregate import flat_update
+from fedhisto.fedmath.aggregate import flat_update
 from fedhisto.methods.base import Method, named_rng
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split

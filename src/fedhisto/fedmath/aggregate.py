@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fedhisto.federated.delta_svd import delta_svd
+from fedhisto.fedmath.delta_svd import delta_svd
 
 
 def lora_pairs(keys: Sequence[str]) -> list[tuple[str, str]]:

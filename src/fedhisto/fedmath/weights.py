@@ -60,6 +60,3 @@ class Adaptive(ClientWeights):
         w = torch.clamp(w, min=self.floor)
         return (w / w.sum()).tolist()
 
-
-def weights_for(kind: str, floor: float) -> ClientWeights:
-    return SampleMass() if kind == "sample_mass" else Adaptive(floor=floor)

@@ -1,6 +1,6 @@
 """FedStain as its authors' public code runs it (onism-dev/Fedstain, commit cc6056e), pure math.
 
-What differs from Algorithm 1 (``federated.fedstain``): the statistics are skewness and excess
+What differs from Algorithm 1 (``fedmath.fedstain``): the statistics are skewness and excess
 kurtosis of the *input pixels*, the only thing uploaded; "MixStyle" adds a small per-channel
 shift of 0.1 x (change in skewness + change in kurtosis) to the pixels (in units of the
 channel's deviation) instead of replacing mean and deviation; no RandStain. Facts from

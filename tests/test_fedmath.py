@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from fedhisto.federated.aggregate import aggregate, flat_update, lora_pairs
-from fedhisto.federated.delta_svd import delta_svd, lora_delta
-from fedhisto.federated.losses import (
+from fedhisto.fedmath.aggregate import aggregate, flat_update, lora_pairs
+from fedhisto.fedmath.delta_svd import delta_svd, lora_delta
+from fedhisto.fedmath.losses import (
     class_balanced_weights,
     feature_consistency,
     js_divergence,
@@ -15,8 +15,8 @@ from fedhisto.federated.losses import (
     prototype_v2,
     proximal,
 )
-from fedhisto.federated.prototypes import ClientPrototypes, aggregate_prototypes, client_prototypes
-from fedhisto.federated.weights import Adaptive, SampleMass
+from fedhisto.fedmath.prototypes import ClientPrototypes, aggregate_prototypes, client_prototypes
+from fedhisto.fedmath.weights import Adaptive, SampleMass
 
 torch.manual_seed(0)
 
