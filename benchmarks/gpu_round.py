@@ -29,7 +29,8 @@ from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 from fedhisto.train.data import Split
-from fedhisto.train.loop import RunContext, run_rounds
+from fedhisto.train.loop import run_rounds
+from fedhisto.train.participants import InProcess
 
 
 def synthetic_split(n: int, site: str, seed: int) -> Split:
@@ -65,18 +66,18 @@ def main() -> None:
         m = build_method(method, cfg)
         model = FedHistoModel(random_encoder("hibou-b"), cfg.model, film=m.film).to(device)
         desc = torch.zeros(14) if m.film else None
-        ctx = RunContext(model=model, method=m, clients=clients, validation=validation,
-                         descriptors={**dict.fromkeys(clients, desc), "global": desc},
-                         cfg=cfg, seed=11, identity={"method": method, "seed": 11, "config_hash": "bench",
-                                                     "dataset_identity": "bench", "descriptor_digest": "none",
-                                                     "encoder_digest": "bench"},
-                         device=device, checkpoint=Path(args.out) / f"{method}-{engine}.pt")
-        ctx.checkpoint.unlink(missing_ok=True)
+        parts = InProcess(model=model, method=m, clients=clients, validation=validation,
+                          descriptors={**dict.fromkeys(clients, desc), "global": desc}, cfg=cfg, seed=11,
+                          device=device, batched=engine == "batched")
+        identity = {"method": method, "seed": 11, "config_hash": "bench", "dataset_identity": "bench",
+                    "descriptor_digest": "none", "encoder_digest": "bench"}
+        checkpoint = Path(args.out) / f"{method}-{engine}.pt"
+        checkpoint.unlink(missing_ok=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
         start = time.perf_counter()
-        run_rounds(ctx)
+        run_rounds(m, parts, model, cfg, identity, checkpoint)
         if device.type == "cuda":
             torch.cuda.synchronize()
         secs = time.perf_counter() - start

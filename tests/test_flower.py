@@ -25,7 +25,23 @@ from fedhisto.train.stage import run_train
 
 pytestmark = pytest.mark.flower
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".svs", ".bmp")
-METHODS = ("fedavg_peft", "past_v2", "fedstain")
+# The Simulation Engine runs (Ray) are slow: past_v2 by default, these three with FEDHISTO_SIM_ALL=1.
+SIM_METHODS = ("fedavg_peft", "past_v2", "fedstain")
+
+
+def federable_methods() -> list[str]:
+    """Every registered method with one global model that a federation can run (from the registry)."""
+    from fedhisto.config import load_config
+    from fedhisto.methods import build_method, method_names
+    from fedhisto.methods.base import GLOBAL, Method
+
+    cfg = load_config({})
+    out = []
+    for name in method_names():
+        m = build_method(name, cfg)
+        if type(m).participants is Method.participants and m.members(["C1", "C2"]) == [GLOBAL]:
+            out.append(name)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +97,7 @@ def test_records_round_trip_every_hook_value_exactly():
 
     from fedhisto.federation.records import get_payload, get_value, put_payload, put_value
     from fedhisto.fedmath.fedstain import StyleStats
+    from fedhisto.fedmath.fedstain_code import PixelMoments
     from fedhisto.fedmath.prototypes import ClientPrototypes, ServerPrototypes
 
     g = torch.Generator().manual_seed(0)
@@ -90,6 +107,8 @@ def test_records_round_trip_every_hook_value_exactly():
                                    torch.tensor([True, False, True]), torch.tensor([4.0, 0.0, 2.0])),
         "client": ClientPrototypes({0: torch.randn(8, generator=g), 2: torch.randn(8, generator=g)}, {0: 5, 2: 1}),
         "style": StyleStats(*(torch.randn(5, c, generator=g) for c in (3, 3, 8, 8))),
+        "pixel": PixelMoments(torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)),
+        "nested": {"c": {"w": torch.randn(2, 2, generator=g)}, "steps": 7, "lr": 0.5, "tag": "x", "pair": (1, None)},
         "none": None,
     }
     rd = RecordDict()
@@ -103,12 +122,39 @@ def test_records_round_trip_every_hook_value_exactly():
     assert back["server"].mask.dtype == torch.bool
     assert back["client"].counts == {0: 5, 2: 1} and torch.equal(back["client"].centroids[2], values["client"].centroids[2])
     assert torch.equal(back["style"].feat_kurt, values["style"].feat_kurt) and back["none"] is None
+    assert isinstance(back["pixel"], PixelMoments) and torch.equal(back["pixel"].kurt, values["pixel"].kurt)
+    assert back["nested"]["steps"] == 7 and back["nested"]["pair"] == (1, None) and back["nested"]["tag"] == "x"
+    assert torch.equal(back["nested"]["c"]["w"], values["nested"]["c"]["w"])
     rd2 = RecordDict()
     put_payload(rd2, {"prototypes": values["server"], "style_pool": values["style"]})
     assert set(get_payload(rd2)) == {"prototypes", "style_pool"}
 
 
-@pytest.mark.parametrize("method", METHODS)
+def test_records_refuse_what_they_cannot_carry_or_rebuild():
+    from dataclasses import dataclass
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedhisto.federation.records import get_value, put_value
+
+    with pytest.raises(TypeError, match=r"upload: no record encoding for set"):
+        put_value(RecordDict(), "upload", {1, 2})
+
+    @dataclass
+    class Foreign:
+        x: int
+
+    Foreign.__module__ = "os"
+    rd = RecordDict()
+    put_value(rd, "upload", Foreign(1))
+    with pytest.raises(ValueError, match=r"refusing to rebuild os:"):
+        get_value(rd, "upload")
+    rd["bad#meta"] = ConfigRecord({"json": '{"t": "weird"}'})
+    with pytest.raises(ValueError, match="unknown record node kind 'weird'"):
+        get_value(rd, "bad")
+
+
+@pytest.mark.parametrize("method", federable_methods())
 def test_flower_message_path_equals_in_process_engine_bitwise(prepared: dict, tmp_path: Path, method: str):
     """Same hooks, same client index k, same named RNG streams: the states are bitwise equal on CPU."""
     a = in_process(prepared, method, tmp_path / "inproc")
@@ -177,7 +223,7 @@ def run_config(prepared: dict, method: str, out: Path, log_dir: Path, **extra) -
             "round-timeout": 240.0, **extra}
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if os.environ.get("FEDHISTO_SIM_ALL") or m == "past_v2"])
+@pytest.mark.parametrize("method", [m for m in SIM_METHODS if os.environ.get("FEDHISTO_SIM_ALL") or m == "past_v2"])
 def test_simulation_engine_equals_in_process_engine(prepared: dict, tmp_path: Path, method: str):
     """``flwr run`` on Flower's Simulation Engine (Ray). Ray's start dominates (~2 min on 2 cores), so CI
     runs past_v2 only; FEDHISTO_SIM_ALL=1 runs all three methods."""

@@ -15,13 +15,22 @@ SCHEMA_PATH = Path("workflow/schemas/config.schema.json")
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    text = json_schema_text()
+    """The config's JSON schema; with --write also the package's method settings schema
+    (``methods/settings.schema.json``), the config's own source for method blocks, first."""
     if args.write:
         from fedhisto.atomic import write_text
+        from fedhisto.config import settings_schema_text
+        from fedhisto.methods.settings import SCHEMA_FILE
 
+        write_text(SCHEMA_FILE, settings_schema_text())
+        # the config models read the settings schema when fedhisto.config is imported: regenerate in a fresh process
+        import subprocess
+
+        text = subprocess.run([sys.executable, "-c", "from fedhisto.config import json_schema_text as t; "
+                               "import sys; sys.stdout.write(t())"], check=True, capture_output=True, text=True).stdout
         write_text(args.write, text)
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(json_schema_text())
     return 0
 
 

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from fedhisto import CLASSES
-from fedhisto.config_base import ConfigError, Method, Strict
+from fedhisto.config_base import IF_CHANGED, ConfigError, Method, Seeds, Strict
 from fedhisto.config_experiments import ExperimentsConfig
-from fedhisto.config_methods import FedStainCodeConfig, FedStainConfig, PastConfig
 
 ClassName = Literal["ACA", "Normal", "SCC"]
 ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
@@ -179,7 +178,7 @@ class PretrainConfig(Strict):
     batch: int = Field(32, ge=1)
     seed: int = Field(777, description="pool seed; the pool never overlaps the cohort (different seed stream)")
     stain_views: bool = Field(
-        True, description="True: pretrain through stain-perturbed views (the pipeline's stain-invariant encoder); "
+        True, json_schema_extra=IF_CHANGED, description="True: pretrain through stain-perturbed views (the pipeline's stain-invariant encoder); "
                           "False: geometry-only views (the 'plain' encoder of the stain-shift dose-response experiment)")
 
 
@@ -198,15 +197,14 @@ class ModelConfig(Strict):
 
 
 # ---------------------------------------------------------------------- train
-# Each method family's settings block (train.past, train.fedstain, ...) lives in config_methods.
+class TrainBase(Strict):
+    """Engine settings shared by every method; each method family's own block (``train.past``,
+    ``train.fedstain``, ...) is added from the method registry (``TrainConfig`` below)."""
 
-
-
-class TrainConfig(Strict):
     methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "fedprox_peft", "film_zero", "past_v1", "past_v2"])
     ablations: list[Method] = Field(default_factory=lambda: ["v2_no_js", "v2_no_feat", "v2_no_proto"])
-    seeds: list[int] = Field(default_factory=lambda: [11, 22, 33, 44, 55], min_length=1)
-    ablation_seeds: list[int] = Field(default_factory=lambda: [11, 33, 55])
+    seeds: Seeds = Field(default_factory=lambda: [11, 22, 33, 44, 55], min_length=1)
+    ablation_seeds: Seeds = Field(default_factory=lambda: [11, 33, 55])
     max_rounds: int = Field(50, ge=1)
     local_epochs: int = Field(2, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -222,14 +220,24 @@ class TrainConfig(Strict):
     max_unavailable_client_rounds: int = Field(
         5, ge=0, description="declared client unavailabilities tolerated in a run before it counts as failed")
     engine: Literal["sequential", "batched"] = Field(
-        "sequential", description="[ours] local training one client after the other, or every client of a round in "
+        "sequential", json_schema_extra=IF_CHANGED, description="[ours] local training one client after the other, or every client of a round in "
                                   "one encoder pass (train.batched: same math, dropout masks drawn once for the stack)")
     view_pipeline: Literal["host", "device"] = Field(
-        "host", description="[ours] training views made on the host, or on the device from uint8 images kept there "
+        "host", json_schema_extra=IF_CHANGED, description="[ours] training views made on the host, or on the device from uint8 images kept there "
                             "(fedhisto.views_device: same draws, pixels within interpolation rounding)")
-    past: PastConfig = PastConfig()
-    fedstain: FedStainConfig = FedStainConfig()
-    fedstain_code: FedStainCodeConfig = FedStainCodeConfig()
+
+
+def _train_config() -> type[TrainBase]:
+    """``TrainBase`` plus one field per registered method family, typed by its settings class (read
+    from the package's settings schema, so no method module is imported: ``methods.settings``)."""
+    from fedhisto.methods import settings_blocks
+    from fedhisto.methods.settings import block_models
+
+    blocks = {key: (model, model()) for key, model in block_models(settings_blocks()).items()}
+    return create_model("TrainConfig", __base__=TrainBase, __doc__=TrainBase.__doc__, **blocks)
+
+
+TrainConfig = _train_config()
 
 
 # ------------------------------------------------------------------- evaluate
@@ -237,7 +245,7 @@ class EvaluateConfig(Strict):
     eval_batch: int = Field(32, ge=1)
     ece_bins: int = Field(15, ge=2)
     temperature_scaling: bool = Field(
-        False, description="[ours] divide logits by a temperature fitted on each run's validation predictions "
+        False, json_schema_extra=IF_CHANGED, description="[ours] divide logits by a temperature fitted on each run's validation predictions "
                            "before writing test/holdout/external probabilities; off in the study")
 
 
@@ -250,11 +258,11 @@ class Comparison(Strict):
 def _paper_comparisons() -> dict[str, Comparison]:
     pairs = {"v2_vs_fedavg": "fedavg_peft", "v2_vs_fedprox": "fedprox_peft", "v2_vs_filmzero": "film_zero",
              "v2_vs_v1": "past_v1"}
+    from fedhisto.methods import default_comparisons
+
+    # the study's four, then ours: each method registered with a comparison (FedStain, local_only, pooled, ...)
+    pairs.update(default_comparisons())
     out = {name: Comparison(method="past_v2", reference=ref) for name, ref in pairs.items()}
-    out["v2_vs_fedstain"] = Comparison(method="past_v2", reference="fedstain")  # ours: the added comparator
-    out["v2_vs_fedstain_code"] = Comparison(method="past_v2", reference="fedstain_code")  # ours: as its code runs
-    out["v2_vs_local"] = Comparison(method="past_v2", reference="local_only")  # ours: does federation help?
-    out["v2_vs_pooled"] = Comparison(method="past_v2", reference="pooled")  # ours: centralised reference
     for abl in ("v2_no_js", "v2_no_feat", "v2_no_proto"):
         out[f"v2_vs_{abl.removeprefix('v2_')}"] = Comparison(method="past_v2", reference=abl, ablation=True)
     return out
@@ -400,3 +408,19 @@ def json_schema() -> dict[str, Any]:
 
 def json_schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def settings_schema_text() -> str:
+    """The JSON schema of every registered method settings class (``methods/settings.schema.json``);
+    imports the method modules (and so torch)."""
+    from fedhisto.methods import registration, settings_blocks
+    from fedhisto.methods.settings import settings_schema_text as text
+
+    owners = {r.config_key: r for r in map(registration, _method_names()) if r.config_key}
+    return text({key: owners[key].settings_class() for key in settings_blocks()})
+
+
+def _method_names() -> list[str]:
+    from fedhisto.methods import method_names
+
+    return method_names()

@@ -91,7 +91,7 @@ def train(msg: Message, context: Context) -> Message:
         result = site.train(record_state(msg.content["start"]), get_payload(msg.content), int(run["round"]),
                             int(run["k"]))
         rd = RecordDict({"state": state_record(result.state),
-                         "metrics": MetricRecord({"num-examples": int(result.n_samples)}),
+                         "metrics": MetricRecord({"num-examples": int(result.n_samples), "steps": int(result.steps)}),
                          "losses": MetricRecord({k: float(v) for k, v in result.losses.items()}),
                          "identity": ConfigRecord({"encoder-digest": ident["encoder_digest"]})})
         put_value(rd, "descriptor", ident["descriptor"])  # the server checks it against the run identity

@@ -15,9 +15,11 @@ One round, as the engines call the hooks:
    ``batch_inputs`` (the views), the forward, then ``terms_from_outputs`` (the loss): the batched
    engine (``train.batched``) calls those two halves around one encoder pass for every member, and
    applies ``restyle`` (feature restyling inside the encoder, FedStain's MixStyle) per member;
-3. server ``client_weights`` then ``aggregate_train``: the new state of every member;
-4. optional post-aggregation exchange (client ``upload_after_aggregation``, server
-   ``aggregate_uploads``, e.g. prototypes), kept as the method's server state for the next round.
+3. server ``client_weights`` then ``aggregate_train``: the new state of every member and the
+   method's server state (``RoundUpdate`` holds what came back; SCAFFOLD keeps control variates and
+   FedAdam its moments there);
+4. optional post-aggregation exchange (``post_uploads``: client ``upload_after_aggregation``, server
+   ``aggregate_uploads``, e.g. prototypes), folded into the server state for the next round.
 
 A *participant* is what trains in a round (a client; ``pooled`` has one); a *member* is a model the
 run keeps and evaluates (``global`` for a federated method; one per client for ``local_only``).
@@ -66,6 +68,19 @@ class LocalRun:
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+
+
+@dataclass
+class RoundUpdate:
+    """What the server holds after local training in round ``round_idx``, per returned participant."""
+
+    round_idx: int
+    states: dict[str, dict[str, torch.Tensor]]   # trained states
+    starts: dict[str, dict[str, torch.Tensor]]   # the state each started the round from
+    counts: dict[str, int]                       # optimisation samples
+    steps: dict[str, int]                        # optimiser steps taken
+    weights: dict[str, float]                    # client_weights
+    server_state: Any                            # the method's server state before this round
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,8 @@ class Method:
     film: bool = False              # the model carries stain-conditioned FiLM
     paired_views: bool = False      # two stain views per image: micro-batch x accumulation, else one batch
     exchanges_model: bool = True    # the trainable state travels down and up every round (Table 8)
+    pre_uploads: bool = False       # participants upload before training (``upload_before_training``)
+    post_uploads: bool = False      # participants upload after aggregation (``upload_after_aggregation``)
 
     def __init__(self, name: str, cfg: Config, config_key: str | None = None, **options: Any) -> None:
         if options:
@@ -152,8 +169,18 @@ class Method:
     # ------------------------------------------------------------------ setup
     @property
     def settings(self):
-        """The method family's config block (``train.<config_key>``), or None."""
-        return getattr(self.cfg.train, self.config_key) if self.config_key else None
+        """The method family's config block (``train.<config_key>``) as its registered settings class, or
+        None. The config holds it as a model rebuilt from the stored schema (``methods.settings``); here
+        the method's own class validates it once more."""
+        if not self.config_key:
+            return None
+        if "_settings" not in self.__dict__:
+            from fedhisto.methods import registration
+
+            block = getattr(self.cfg.train, self.config_key)
+            cls = registration(self.name).settings_class()
+            self._settings = cls.model_validate(block.model_dump()) if cls is not None else block
+        return self._settings
 
     def participants(self, clients: dict[str, Split]) -> dict[str, Split]:
         """What trains in a round (default: every client on its own optimisation set)."""
@@ -193,21 +220,24 @@ class Method:
         """Server: aggregation weights a_k of the returned participants (default: sample mass)."""
         return SampleMass()(counts, updates)
 
-    def aggregate_train(self, states: dict[str, dict[str, torch.Tensor]], weights: Sequence[float],
-                        model: FedHistoModel) -> dict[str, dict[str, torch.Tensor]]:
-        """Server: the new member states from the returned states. Default: delta-SVD for LoRA pairs
-        and the weighted mean for the rest (``fedmath.aggregate``)."""
-        names = list(states)
-        return {GLOBAL: aggregate([states[n] for n in names], weights, model.lora_scaling, self.cfg.model.lora_r)}
+    def aggregate_train(self, update: RoundUpdate, model: FedHistoModel
+                        ) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+        """Server: the new member states and server state from what came back. Default: delta-SVD for
+        LoRA pairs and the weighted mean for the rest (``fedmath.aggregate``); server state unchanged."""
+        names = list(update.states)
+        merged = aggregate([update.states[n] for n in names], [update.weights[n] for n in names],
+                           model.lora_scaling, self.cfg.model.lora_r)
+        return {GLOBAL: merged}, update.server_state
 
     def upload_after_aggregation(self, model: FedHistoModel, data: Split, descriptor: torch.Tensor | None,
                                  device: torch.device) -> Any | None:
         """Client, with the new global model loaded: an upload for the server state (default: none)."""
         return None
 
-    def aggregate_uploads(self, uploads: dict[str, Any]) -> Any | None:
-        """Server: the method state kept for the next round from the post-aggregation uploads."""
-        return None
+    def aggregate_uploads(self, uploads: dict[str, Any], server_state: Any) -> Any:
+        """Server (``post_uploads`` only): the server state for the next round from the
+        post-aggregation uploads and the state ``aggregate_train`` left."""
+        return server_state
 
     # ----------------------------------------------------------- client half
     @contextmanager
@@ -259,9 +289,10 @@ class Method:
         return {}
 
     # ----------------------------------------------------------- accounting
-    def extra_traffic_bytes(self, dim: int, availability: dict[str, list[bool]],
-                            optimisation_sizes: dict[str, int]) -> dict[str, int]:
-        """Bytes per round beyond the model exchange, by message kind (Table 8)."""
+    def extra_traffic_bytes(self, dim: int, availability: dict[str, list[bool]], optimisation_sizes: dict[str, int],
+                            payload_bytes: int) -> dict[str, int]:
+        """Bytes per round beyond the model exchange, by message kind (Table 8): ``dim`` is the embedding
+        width, ``payload_bytes`` the trainable state's size (one copy) in float32."""
         return {}
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from fedhisto.config import Config, ViewsConfig
+from fedhisto.config_base import Strict
 from fedhisto.fedmath.fedstain import (
     StyleStats,
     augmix,
@@ -45,6 +47,30 @@ from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.data import Split
 from fedhisto.views import eval_view, training_views
 
+
+class FedStainConfig(Strict):
+    """The FedStain comparator (SPEC section 11). The paper sets alpha and beta by grid search and
+    prints no values: the defaults weigh its two alignment terms like the study's v2 weighs its own
+    (feature 0.10, JS 0.25), so neither method gets more auxiliary pull."""
+
+    upload_ratio: float = Field(0.1, gt=0, le=1, description="r: fraction of local samples whose statistics are uploaded")
+    weight_supcon: float = Field(0.10, ge=0, description="alpha: representation alignment (SupCon) weight")
+    weight_js: float = Field(0.25, ge=0, description="beta: prediction alignment (JS over four views) weight")
+    supcon_tau: float = Field(0.1, gt=0)
+    mixstyle_alpha: float = Field(0.1, gt=0, description="lambda ~ Beta(alpha, alpha) in MixStyle")
+    mixstyle_after_layer: int = Field(0, ge=0, description="encoder block whose output tokens MixStyle restyles")
+    augmix_width: int = Field(3, ge=1)
+    augmix_depth: int = Field(3, ge=1)
+    # ablation switches: a switched-off augmentation leaves its view(s) as the plain view X
+    randstain: bool = True
+    augmix: bool = True
+    mixstyle: bool = True
+    protocol: Literal["study", "paper"] = Field(
+        "study", description="study: the study's optimiser/lr/epochs/batch; paper: FedStain's own (paper_* keys)")
+    paper_lr: float = Field(1e-4, gt=0)
+    paper_lr_end: float = Field(2.5e-6, gt=0)
+    paper_local_epochs: int = Field(3, ge=1)
+    paper_batch: int = Field(32, ge=2)
 
 class FeatureStyle:
     """A forward hook on one encoder block that either records or restyles its token features."""
@@ -201,6 +227,8 @@ class FedStain(Method):
         lr = fs.paper_lr + (fs.paper_lr_end - fs.paper_lr) * min(round_idx, span) / span
         return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1)
 
+    pre_uploads = True
+
     def upload_before_training(self, model, start_state, data, rng, device) -> StyleStats:
         return client_style_statistics(model, start_state, data, self.cfg, rng, device)
 
@@ -245,5 +273,5 @@ class FedStain(Method):
     def restyle(self, hidden: torch.Tensor, spec) -> torch.Tensor:
         return restyle_tokens(hidden, *spec)
 
-    def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
+    def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio)}

@@ -25,5 +25,5 @@ class Pooled(Method):
     def client_weights(self, counts, updates) -> list[float]:
         return [1.0]
 
-    def aggregate_train(self, states, weights, model):
-        return {GLOBAL: states[POOLED]}
+    def aggregate_train(self, update, model):
+        return {GLOBAL: update.states[POOLED]}, update.server_state

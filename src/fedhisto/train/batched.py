@@ -295,6 +295,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     micro, accum = plan.micro_batch, plan.accumulation
     sums: list[dict[str, torch.Tensor]] = [{} for _ in jobs]
     steps = [0] * n_members
+    updates = [0] * n_members
     autocast = runs[0].autocast
     with ExitStack() as stack:
         for run in runs:
@@ -349,10 +350,11 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                     clip_per_member(params, t.grad_clip, mask)
                     opt.step(mask)
                     opt.zero_grad(mask)
+                    updates = [u + int(d) for u, d in zip(updates, due, strict=True)]
     out = []
     for m, j in enumerate(jobs):
         state = {n: p[m].detach().clone() for n, p in params.items()}
         losses = {k: float(v) / max(steps[m], 1) for k, v in sums[m].items()}
-        out.append(LocalResult(state, len(j.data), losses))
+        out.append(LocalResult(state, len(j.data), losses, updates[m]))
     return out
 

@@ -24,6 +24,7 @@ class LocalResult:
     state: dict[str, torch.Tensor]
     n_samples: int
     losses: dict[str, float]
+    steps: int = 0          # optimiser steps taken (SCAFFOLD's K)
 
 
 def local_train(method: Method, model: FedHistoModel, start_state: dict[str, torch.Tensor], data: Split,
@@ -46,7 +47,7 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
                    nominal_batch=micro,
                    cfg=cfg, seed=seed, round_idx=round_idx, client_idx=client_idx, device=device)
     sums: dict[str, float] = {}
-    steps = 0
+    steps = updates = 0
     with method.local_session(run):
         for epoch in range(plan.epochs):
             order = named_rng("order", seed, round_idx, client_idx, epoch).permutation(len(data))
@@ -60,7 +61,8 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
                     torch.nn.utils.clip_grad_norm_(params.values(), t.grad_clip)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
+                    updates += 1
                 for k, v in terms.items():
                     sums[k] = sums.get(k, 0.0) + float(v.detach())
                 steps += 1
-    return LocalResult(model.trainable_state(), len(data), {k: v / max(steps, 1) for k, v in sums.items()})
+    return LocalResult(model.trainable_state(), len(data), {k: v / max(steps, 1) for k, v in sums.items()}, updates)
