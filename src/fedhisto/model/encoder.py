@@ -119,15 +119,16 @@ def _listing(keys: list[str]) -> str:
     return f"{keys[:6]}{'...' if len(keys) > 6 else ''} ({len(keys)})"
 
 
-def load_encoder_folder(folder: str | Path, name: str) -> FrozenEncoder:
-    """Load a local snapshot into the entry's architecture, strictly."""
+def load_encoder_folder(folder: str | Path, name: str, depth: int | None = None) -> FrozenEncoder:
+    """Load a local snapshot into the entry's architecture, strictly (``depth``: the entry built with
+    fewer blocks, as ``random_encoder``, for round trips of giant models in tests)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise EncoderLoadError(f"encoder folder not found: {folder}")
     entry = encoder_entry(name)
     family = FAMILIES[entry.family]
-    family.check_folder(entry, folder)
-    encoder = random_encoder(name)
+    family.check_folder(entry, folder, depth)
+    encoder = random_encoder(name, depth)
     target = encoder.module.state_dict()
     state = family.translate(entry, _read_weights(folder), set(target))
     state = {k: v for k, v in state.items() if not k.startswith(entry.ignore_keys or ("\0",))}

@@ -110,7 +110,7 @@ class TransformersFamily:
         return out
 
     @staticmethod
-    def check_folder(entry: EncoderEntry, folder: Path) -> None:
+    def check_folder(entry: EncoderEntry, folder: Path, depth: int | None = None) -> None:
         found = _read_config(folder)
         where = folder / "config.json"
         if found is None:
@@ -122,7 +122,7 @@ class TransformersFamily:
         if model_type in _KNOWN_HF_TYPES and model_type not in _HF_MODEL_TYPES[entry.architecture]:
             raise EncoderLoadError(f"{where}: model_type {model_type!r} is not {entry.name}'s "
                                    f"{entry.architecture} ({' or '.join(sorted(_HF_MODEL_TYPES[entry.architecture]))})")
-        wrong = _mismatches(found, dict(entry.kwargs))
+        wrong = _mismatches(found, {**entry.kwargs, **({"num_hidden_layers": depth} if depth else {})})
         if wrong:
             raise EncoderLoadError(f"{where}: not a {entry.name} encoder: {', '.join(wrong)}")
 
@@ -185,7 +185,7 @@ class TimmFamily:
         return out
 
     @staticmethod
-    def check_folder(entry: EncoderEntry, folder: Path) -> None:
+    def check_folder(entry: EncoderEntry, folder: Path, depth: int | None = None) -> None:
         """A timm hub snapshot has config.json (architecture, model_args); a bare checkpoint folder may not,
         and then only the strict tensor check guards it."""
         found = _read_config(folder)
@@ -198,7 +198,7 @@ class TimmFamily:
         arch = found.get("architecture")
         if arch is not None and arch != entry.architecture:
             raise EncoderLoadError(f"{where}: architecture {arch!r} is not {entry.name}'s {entry.architecture!r}")
-        wrong = _mismatches(found.get("model_args", {}), dict(entry.kwargs))
+        wrong = _mismatches(found.get("model_args", {}), {**entry.kwargs, **({"depth": depth} if depth else {})})
         if wrong:
             raise EncoderLoadError(f"{where}: not a {entry.name} encoder: {', '.join(wrong)}")
 
@@ -212,8 +212,11 @@ class TimmFamily:
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
         write_with(folder / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
+        args = dict(entry.kwargs)
+        if len(module.blocks) != entry.depth:  # a reduced-depth build (tests) says so
+            args["depth"] = len(module.blocks)
         write_json(folder / "config.json", {"architecture": entry.architecture, "num_classes": 0,
-                                            "num_features": entry.width, "model_args": dict(entry.kwargs),
+                                            "num_features": entry.width, "model_args": args,
                                             "fedhisto_encoder": entry.name})
 
 

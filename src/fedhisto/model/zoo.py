@@ -9,7 +9,9 @@ Adding an encoder is one entry here plus its row in ``tests/test_zoo.py`` (``doc
 
 Parameter counts: ``parameters`` is the exact count of the backbone as this entry builds it (the
 tests rebuild it on the meta device and compare); ``published`` is the figure its authors give,
-with the source, and a test checks that the exact count rounds to it.
+with the source, and ``published_figure`` that figure as stated ("1.1B"); a test checks the exact
+count lies within one unit of the figure's last stated digit (figures are rounded, and some are the
+architecture class's: Virchow2's "632M" is ViT-H/14's, its SwiGLU MLP at ratio 5.3375 builds 631.2M).
 
 Revisions: a hub revision is pinned only where a commit hash could be verified; every other entry
 says so in ``revision_note`` and loading it from the hub needs ``model.encoder.revision`` set (or a
@@ -82,6 +84,7 @@ class EncoderEntry:
     lora_suffixes: MappingProxyType  # paper name of a LoRA target -> module-name suffixes
     parameters: int  # exact backbone count as built here
     published: str  # the authors' figure and where it is stated
+    published_figure: str | None  # that figure as stated, e.g. "1.1B" (None: the tiny encoder has none)
     licence: str
     hub_id: str | None
     revision: str | None
@@ -131,6 +134,7 @@ ENCODERS: MappingProxyType = _entries(
         width=64, depth=3, patch_size=8, input_size=48, prefix_tokens=5, pooling="cls",
         mean=IMAGENET_MEAN, std=IMAGENET_STD, blocks_path="encoder.layer", lora_suffixes=TRANSFORMERS_LORA,
         parameters=168_928, published="none: the project's CPU-sized DINOv2-with-registers (HIBOU-B's family)",
+        published_figure=None,
         licence="MIT (this project)", hub_id=None, revision=None,
         revision_note="pretrained by the pipeline (stage pretrain) on synthetic tissue only", gated=False,
         resources=CPU_SMALL, pretrainable=True),
@@ -142,6 +146,7 @@ ENCODERS: MappingProxyType = _entries(
         mean=HIBOU_MEAN, std=HIBOU_STD, blocks_path="encoder.layer", lora_suffixes=TRANSFORMERS_LORA,
         parameters=85_741_056,
         published="85.7M: ViT-B/14 (Nechaev et al. 2024, Hibou, arXiv:2406.05074; https://bio.rodeo/models/hibou)",
+        published_figure="85.7M",
         licence="Apache-2.0", hub_id="histai/hibou-b", revision="7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c",
         revision_note=("the study configuration's pin, kept so its run identities stand; it has 38 hex digits, "
                        "not a full 40-digit commit, and could not be checked against the hub from here"),
@@ -154,7 +159,8 @@ ENCODERS: MappingProxyType = _entries(
         width=1024, depth=24, patch_size=14, input_size=224, prefix_tokens=5, pooling="cls",
         mean=HIBOU_MEAN, std=HIBOU_STD, blocks_path="encoder.layer", lora_suffixes=TRANSFORMERS_LORA,
         parameters=303_659_264,
-        published="~300M: ViT-L/14 (Nechaev et al. 2024, Hibou, arXiv:2406.05074; ViT-L as in DINOv2's vit_large)",
+        published="0.3B: ViT-L/14 (Nechaev et al. 2024, Hibou, arXiv:2406.05074; ViT-L as in DINOv2's vit_large)",
+        published_figure="0.3B",
         licence="Apache-2.0", hub_id="histai/hibou-L", revision=None, revision_note=_UNPINNED, gated=True,
         resources=GPU_LARGE),
     EncoderEntry(
@@ -165,6 +171,7 @@ ENCODERS: MappingProxyType = _entries(
         mean=IMAGENET_MEAN, std=IMAGENET_STD, blocks_path="layers", lora_suffixes=TRANSFORMERS_LORA,
         parameters=85_798_656,
         published="86M: ViT-B/16 (Filiot et al. 2023, iBOT for histology, medRxiv 2023.07.21.23292757)",
+        published_figure="86M",
         licence="Owkin non-commercial licence (model card)", hub_id="owkin/phikon", revision=None,
         revision_note=_UNPINNED, gated=False, resources=GPU_BASE, ignore_keys=("pooler.",),
         notes="built without ViTModel's Dense+tanh pooler: the model card embeds with last_hidden_state[:, 0]"),
@@ -175,7 +182,8 @@ ENCODERS: MappingProxyType = _entries(
         width=1024, depth=24, patch_size=16, input_size=224, prefix_tokens=1, pooling="cls",
         mean=IMAGENET_MEAN, std=IMAGENET_STD, blocks_path="encoder.layer", lora_suffixes=TRANSFORMERS_LORA,
         parameters=303_351_808,
-        published="300M: ViT-L/16 (Filiot et al. 2024, Phikon-v2, arXiv:2409.09173)",
+        published="0.3B: ViT-L/16 (Filiot et al. 2024, Phikon-v2, arXiv:2409.09173)",
+        published_figure="0.3B",
         licence="Owkin non-commercial licence (model card)", hub_id="owkin/phikon-v2", revision=None,
         revision_note=_UNPINNED, gated=False, resources=GPU_LARGE),
     EncoderEntry(
@@ -186,6 +194,7 @@ ENCODERS: MappingProxyType = _entries(
         mean=IMAGENET_MEAN, std=IMAGENET_STD, blocks_path="blocks", lora_suffixes=TIMM_LORA,
         parameters=303_350_784,
         published="303M: ViT-L/16 (Chen et al. 2024, UNI, Nature Medicine 30:850; 303.4M as listed by LazySlide)",
+        published_figure="303M",
         licence="CC-BY-NC-ND-4.0", hub_id="MahmoodLab/UNI", revision=None, revision_note=_UNPINNED, gated=True,
         resources=GPU_LARGE),
     EncoderEntry(
@@ -195,8 +204,9 @@ ENCODERS: MappingProxyType = _entries(
                    act_layer="silu", reg_tokens=8, dynamic_img_size=True, global_pool=""),
         width=1536, depth=24, patch_size=14, input_size=224, prefix_tokens=9, pooling="cls",
         mean=IMAGENET_MEAN, std=IMAGENET_STD, blocks_path="blocks", lora_suffixes=TIMM_LORA,
-        parameters=681_409_536,
+        parameters=681_394_176,
         published="681M: ViT-H/14, 8 registers (MahmoodLab/UNI2-h model card, 2025)",
+        published_figure="681M",
         licence="CC-BY-NC-ND-4.0", hub_id="MahmoodLab/UNI2-h", revision=None, revision_note=_UNPINNED, gated=True,
         resources=GPU_HUGE),
     EncoderEntry(
@@ -205,8 +215,9 @@ ENCODERS: MappingProxyType = _entries(
                    dynamic_img_size=True, mlp_layer="timm.layers.SwiGLUPacked", act_layer="silu"),
         width=1280, depth=32, patch_size=14, input_size=224, prefix_tokens=5, pooling="cls+mean_patch",
         mean=IMAGENET_MEAN, std=IMAGENET_STD, blocks_path="blocks", lora_suffixes=TIMM_LORA,
-        parameters=631_229_440,
+        parameters=631_239_424,
         published="632M: ViT-H/14, 4 registers (Zimmermann et al. 2024, Virchow2, arXiv:2408.00738)",
+        published_figure="632M",
         licence="CC-BY-NC-ND-4.0", hub_id="paige-ai/Virchow2", revision=None, revision_note=_UNPINNED, gated=True,
         resources=GPU_HUGE,
         notes="the model card's embedding: CLS concatenated with the mean of the patch tokens (registers excluded)"),
@@ -217,6 +228,7 @@ ENCODERS: MappingProxyType = _entries(
         mean=HOPTIMUS_MEAN, std=HOPTIMUS_STD, blocks_path="blocks", lora_suffixes=TIMM_LORA,
         parameters=1_134_774_272,
         published="1.1B: ViT-g/14, 4 registers (bioptimus/H-optimus-0 model card; Saillard et al. 2024)",
+        published_figure="1.1B",
         licence="Apache-2.0", hub_id="bioptimus/H-optimus-0", revision=None, revision_note=_UNPINNED, gated=True,
         resources=GPU_GIANT),
     EncoderEntry(
@@ -226,6 +238,7 @@ ENCODERS: MappingProxyType = _entries(
         mean=HOPTIMUS_MEAN, std=HOPTIMUS_STD, blocks_path="blocks", lora_suffixes=TIMM_LORA,
         parameters=1_134_774_272,
         published="1.1B: ViT-g/14, 4 registers (bioptimus/H-optimus-1 model card, 2025)",
+        published_figure="1.1B",
         licence="non-commercial terms of the model card (gated)", hub_id="bioptimus/H-optimus-1", revision=None,
         revision_note=_UNPINNED, gated=True, resources=GPU_GIANT),
     EncoderEntry(
@@ -236,6 +249,7 @@ ENCODERS: MappingProxyType = _entries(
         mean=IMAGENET_MEAN, std=IMAGENET_STD, blocks_path="blocks", lora_suffixes=TIMM_LORA,
         parameters=1_134_953_984,
         published="1.1B: tile encoder ViT-g/14 at patch 16 (Xu et al. 2024, Prov-GigaPath, Nature 630:181)",
+        published_figure="1.1B",
         licence="Apache-2.0", hub_id="prov-gigapath/prov-gigapath", revision=None, revision_note=_UNPINNED,
         gated=True, resources=GPU_GIANT, notes="the tile encoder only (the slide encoder is not a tile embedding)"),
 )
