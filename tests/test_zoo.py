@@ -18,7 +18,7 @@ import torch
 
 from fedhisto.config import EncoderConfig, ModelConfig, load_config
 from fedhisto.config_base import ConfigError
-from fedhisto.model.card import meta_model, model_card
+from fedhisto.model.card import meta_model
 from fedhisto.model.encoder import EncoderLoadError, load_encoder, load_encoder_folder, random_encoder
 from fedhisto.model.zoo import ENCODERS, encoder_entry
 
@@ -242,13 +242,13 @@ def test_normalisation_option():
     own = load_config({"views": {"normalisation": "encoder"}, "model": {"encoder": {"name": "hibou-b"}}})
     assert own.views.mean == (0.7068, 0.5755, 0.722) and own.views.std == (0.195, 0.2316, 0.1816)
     assert own.views.model_dump()["normalisation"] == "encoder"
-    with pytest.raises(ConfigError, match="views.mean is set too"):
+    with pytest.raises(ConfigError, match=r"views\.mean is set too"):
         load_config({"views": {"normalisation": "encoder", "mean": [0.5, 0.5, 0.5]}})
 
 
 def test_fused_qkv_refuses_a_partial_query_key_value_target():
     pytest.importorskip("timm")
-    with pytest.raises(ValueError, match="fused attn.qkv"), torch.device("meta"):
+    with pytest.raises(ValueError, match=r"fused attn\.qkv"), torch.device("meta"):
         meta_model("uni", "past_v2", ModelConfig(lora_targets=["query", "value"]))
 
 
