@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from fedhisto.config import EncoderConfig, ModelConfig, load_config
 from fedhisto.config_base import ConfigError
@@ -208,7 +209,7 @@ def test_folder_of_another_architecture_names_the_mismatch(name: str, tmp_path: 
     if ENCODERS[name].family == "timm" and ENCODERS[other].family == "timm":
         # without config.json only the tensors can tell: the error names them
         (tmp_path / other / "config.json").unlink()
-        with pytest.raises(EncoderLoadError, match=r"does not fit .*(missing|tensor shapes differ)"):
+        with pytest.raises(EncoderLoadError, match=r"(does not fit .*missing|tensor shapes differ from)"):
             load_encoder_folder(tmp_path / other, name, depth=REDUCED_DEPTH)
 
 
@@ -263,8 +264,11 @@ def test_snakemake_plans_the_full_pipeline_for_a_uni_folder(tmp_path: Path, repo
 
     random_encoder("uni", depth=REDUCED_DEPTH).save(tmp_path / "uni")
     wd = tmp_path / "wd"
-    write_tiny_config(wd)
-    override = f"model={{encoder: {{name: uni, local_dir: {tmp_path / 'uni'}}}, pretrain: {{enabled: false}}}}"
+    path = write_tiny_config(wd)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"]["pretrain"]["enabled"] = False  # a foundation model arrives pretrained
+    path.write_text(yaml.safe_dump(cfg))
+    override = f"model={{encoder: {{name: uni, local_dir: {tmp_path / 'uni'}}}}}"  # the README's spelling
     proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(wd), "-n", "--quiet", "rules",
                            "all", "--config", override], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
