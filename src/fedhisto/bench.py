@@ -39,8 +39,9 @@ from fedhisto.config import load_config
 from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods import build_method
 from fedhisto.methods.base import Batch, LocalRun
-from fedhisto.model.encoder import ENCODER_SHAPES, random_encoder
+from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.model.zoo import encoder_entry
 from fedhisto.train.batched import (
     Layout,
     StackedAdamW,
@@ -53,8 +54,9 @@ from fedhisto.train.data import Split
 from fedhisto.views import training_views
 from fedhisto.views_device import DeviceImages, draw_views, render_views
 
-SHAPES = {"tiny": {"adapter_hidden": 32, "film_hidden": 32},
-          "hibou-b": {"adapter_hidden": 256, "film_hidden": 64}}
+#: head sizes: the embedded default's for the tiny encoder, the study's for every foundation model
+TINY_HEAD = {"adapter_hidden": 32, "film_hidden": 32}
+STUDY_HEAD = {"adapter_hidden": 256, "film_hidden": 64}
 
 
 def _sync(device: torch.device) -> None:
@@ -132,9 +134,9 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     warmup = accum if warmup is None else warmup
     iters = 2 * accum if iters is None else iters
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    shape = ENCODER_SHAPES[encoder]
-    crop = shape["image_size"]
-    cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False}, **SHAPES[encoder]},
+    crop = encoder_entry(encoder).input_size
+    head = TINY_HEAD if encoder_entry(encoder).pretrainable else STUDY_HEAD
+    cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False}, **head},
                        "views": {"crop_size": crop},
                        "train": {"paired_micro_batch": micro, "accumulation_steps": accum}})
     method = build_method("past_v2", cfg)

@@ -248,17 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_audit)
 
     from fedhisto.methods import method_names
-    from fedhisto.model.encoder import ENCODER_SHAPES
+    from fedhisto.model.zoo import ENCODER_NAMES
 
     p = sub.add_parser("model-card", help="parameter counts of a method's model as JSON (no weights downloaded)")
-    p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="hibou-b")
+    p.add_argument("--encoder", choices=ENCODER_NAMES, default="hibou-b")
     p.add_argument("--method", choices=method_names(), default="past_v2")
     p.set_defaults(func=_cmd_model_card)
     _federation_parsers(sub)
 
     p = sub.add_parser("bench", help="pairs/s (sequential vs batched engine), inference images/s, peak memory, "
                                      "ratio to a matmul peak measured in the same run")
-    p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="tiny")
+    p.add_argument("--encoder", choices=ENCODER_NAMES, default="tiny")
     p.add_argument("--members", type=int, default=5, help="members trained together (clients x seeds)")
     p.add_argument("--micro-batch", type=int, default=4, help="paired images per member and micro-batch")
     p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per optimiser step")

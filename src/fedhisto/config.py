@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, create_model, model_vali
 from fedhisto import CLASSES
 from fedhisto.config_base import IF_CHANGED, ConfigError, Method, Seeds, Strict
 from fedhisto.config_experiments import ExperimentsConfig
+from fedhisto.model.zoo import ENCODER_NAMES, ENCODERS
 
 ClassName = Literal["ACA", "Normal", "SCC"]
 ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
@@ -157,15 +158,33 @@ class ViewsConfig(Strict):
     single_view_stain: bool = Field(False, description="[ours] baselines and v1: shared geometry, no stain perturbation")
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    normalisation: Literal["imagenet", "encoder"] = Field(
+        "imagenet", json_schema_extra=IF_CHANGED, description="[ours] imagenet: normalise with views.mean / views.std (ImageNet's statistics "
+                                "unless set; the study, section 3.4); encoder: with the encoder's own statistics "
+                                "from its registry entry (e.g. HIBOU's processor), which then fill mean and std")
 
 
 # ---------------------------------------------------------------------- model
 class EncoderConfig(Strict):
-    name: Literal["hibou-b", "tiny"] = "hibou-b"
-    repo_id: str = "histai/hibou-b"
-    revision: str = "7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c"
+    name: Literal[ENCODER_NAMES] = Field(  # type: ignore[valid-type]
+        "hibou-b", description="an entry of the encoder registry (fedhisto.model.zoo; docs/encoders.md)")
+    repo_id: str = Field("histai/hibou-b", description="hub repository; defaults to the entry's (unused by tiny)")
+    revision: str | None = Field(
+        "7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c",
+        description="hub commit; defaults to the entry's pin (entries without a verified pin need one set here)")
     local_dir: str | None = Field(None, description="load from this folder instead of the hub")
     require_pretrained: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hub_defaults_from_entry(cls, data: Any) -> Any:
+        """An entry with a hub repository supplies repo_id and revision unless they are set; the tiny
+        encoder has none and keeps the historical defaults, so existing run identities stand."""
+        if isinstance(data, dict) and data.get("name") in ENCODERS:
+            entry = ENCODERS[data["name"]]
+            if entry.hub_id is not None:
+                data = {"repo_id": entry.hub_id, "revision": entry.revision, **data}
+        return data
 
 
 class PretrainConfig(Strict):
@@ -290,10 +309,30 @@ class Config(Strict):
     bootstrap: BootstrapConfig = BootstrapConfig()
     experiments: ExperimentsConfig = ExperimentsConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _encoder_normalisation(cls, data: Any) -> Any:
+        """views.normalisation: encoder fills views.mean / views.std with the encoder entry's statistics."""
+        if not isinstance(data, dict):
+            return data
+        views = data.get("views")
+        if not isinstance(views, dict) or views.get("normalisation") != "encoder":
+            return data
+        set_too = [k for k in ("mean", "std") if k in views]
+        if set_too:
+            raise ValueError(f"views.normalisation is 'encoder' but views.{set_too[0]} is set too; "
+                             "remove it (the encoder's statistics are used) or use normalisation: imagenet")
+        encoder = ((data.get("model") or {}).get("encoder") or {}).get("name", "hibou-b")
+        if encoder not in ENCODERS:
+            return data  # EncoderConfig reports the unknown name with the known ones
+        entry = ENCODERS[encoder]
+        return {**data, "views": {**views, "mean": entry.mean, "std": entry.std}}
+
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.model.pretrain.enabled and self.model.encoder.name != "tiny":
-            raise ValueError("model.pretrain.enabled only applies to the tiny encoder; HIBOU-B is loaded pretrained")
+        if self.model.pretrain.enabled and not ENCODERS[self.model.encoder.name].pretrainable:
+            raise ValueError(f"model.pretrain.enabled only applies to the tiny encoder; "
+                             f"{self.model.encoder.name} is loaded pretrained")
         if tuple(self.classes) != CLASSES:
             raise ValueError(f"classes must be exactly {list(CLASSES)} in that order (got {list(self.classes)})")
         if self.cohort.mode == "real" and self.manifest.targets is None:

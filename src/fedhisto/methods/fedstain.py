@@ -76,7 +76,7 @@ class FeatureStyle:
     """A forward hook on one encoder block that either records or restyles its token features."""
 
     def __init__(self, model: FedHistoModel, after_layer: int) -> None:
-        blocks = model.encoder.encoder.layer
+        blocks = model.encoder_blocks()
         if not 0 <= after_layer < len(blocks):
             raise ValueError(f"train.fedstain.mixstyle_after_layer={after_layer}: the encoder has {len(blocks)} blocks")
         self.mode: str | None = None

@@ -11,6 +11,7 @@ from fedhisto.model.peft_model import FedHistoModel, parameter_counts
 
 
 def meta_model(encoder: str, method: str, cfg: ModelConfig | None = None) -> FedHistoModel:
+    """Any registry entry, giants included: the meta device allocates nothing."""
     cfg = cfg or ModelConfig()
     with torch.device("meta"):
         return FedHistoModel(random_encoder(encoder), cfg, film=registration(method).attribute("film", False))

@@ -204,7 +204,7 @@ def member_restyle(model: FedHistoModel, method: Method, layout: Layout) -> Iter
         mixed = torch.cat(parts)
         return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
 
-    handle = model.encoder.encoder.layer[layer].register_forward_hook(hook)
+    handle = model.encoder_blocks()[layer].register_forward_hook(hook)
     try:
         yield
     finally:
@@ -247,10 +247,10 @@ def stacked_forward(model: FedHistoModel, method: Method, params: dict[str, torc
     params: member-stacked trainable tensors (M, ...); descriptors: (M, 1, 14) or None.
     Returns logits (N, classes) and z (N, d) in row order."""
     if patched:
-        cls = model.encoder(pixel_values=pixels).pooler_output
+        cls = model.encoder_embedding(pixels)
     else:
         with member_pathway(model, method, params, layout):
-            cls = model.encoder(pixel_values=pixels).pooler_output
+            cls = model.encoder_embedding(pixels)
     head = {n: p for n, p in params.items() if n.startswith(HEAD_PREFIXES)}
     if layout.uniform:
         g = {n: p[layout.index] for n, p in head.items()}
