@@ -88,21 +88,18 @@ def test_unit_loss_is_the_method_objective_on_one_image():
         outs = [model(views[:, v], desc) for v in range(2)]
     logits, zs = [o[0] for o in outs], [o[1] for o in outs]
     c, m, r = loss.centroids, loss.mask, loss.reliability
-    per_image = []
     for i in range(4):
         lg, z, y = [x[i:i + 1] for x in logits], [x[i:i + 1] for x in zs], labels[i:i + 1]
         ref = (sum(balanced_cross_entropy(v, y, loss.ce_weights, 1) for v in lg) / 2 + 0.25 * js_divergence(*lg)
                + 0.10 * feature_consistency(*z) + 0.05 * sum(prototype_v2(v, y, c, m, r, 0.2) for v in z) / 2)
         got = loss(torch.cat(lg), torch.cat(z), labels[i])
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-        per_image.append(got)
     no_proto = PastUnitLoss(ce_weights=loss.ce_weights, weight_js=0.25, weight_feat=0.10)
     batch = (sum(balanced_cross_entropy(v, labels, loss.ce_weights, 4) for v in logits) / 2
              + 0.25 * js_divergence(*logits) + 0.10 * feature_consistency(*zs))
     mean = sum(no_proto(torch.stack([logits[0][i], logits[1][i]]), torch.stack([zs[0][i], zs[1][i]]), labels[i])
                for i in range(4)) / 4
     torch.testing.assert_close(mean, batch, rtol=1e-6, atol=0)  # js_divergence works in float32
-    v1 = PastUnitLoss(ce_weights=loss.ce_weights, weight_proto=1.0, prototypes="v1", centroids=c, mask=m)
     zero_ce = torch.zeros(3, dtype=torch.float64)
     v1 = PastUnitLoss(ce_weights=zero_ce, weight_proto=1.0, prototypes="v1", centroids=c, mask=m)
     for i in range(4):  # label 1 has no prototype: contributes exactly 0
@@ -144,7 +141,7 @@ def test_family_unit_gradient_is_the_sum_over_its_images():
     for n, g in per_image.items():
         torch.testing.assert_close(per_unit[n][1], g[0] + g[2], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(per_unit[n][0], g[1], rtol=1e-10, atol=1e-12)
-    clipped, norms = clip_and_sum(per_unit, 1e-3)
+    clipped, _ = clip_and_sum(per_unit, 1e-3)
     assert float(flat_norms({n: g[None] for n, g in clipped.items()})) <= 2e-3 * (1 + 1e-9)  # two units, C each
 
 
@@ -175,7 +172,7 @@ def test_bad_inputs_are_refused():
     views, labels, desc = _batch(2)
     with pytest.raises(ValueError, match="images, views"):
         per_image_gradients(model, loss, views[:, 0], labels, desc)
-    with pytest.raises(ValueError, match="privacy.dropout"):
+    with pytest.raises(ValueError, match=r"privacy\.dropout"):
         per_image_gradients(model, loss, views, labels, desc, dropout="sometimes")
     model.bn = torch.nn.BatchNorm1d(3)
     with pytest.raises(ValueError, match="batch normalisation"):
