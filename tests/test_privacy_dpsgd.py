@@ -88,3 +88,45 @@ def test_clipped_norms_are_bounded():
     single = [clip_and_sum({k: v[i:i + 1] for k, v in per_unit.items()}, 1.5)[0] for i in range(50)]
     each = flat_norms({k: torch.stack([s[k] for s in single]) for k in per_unit})
     assert float(each.max()) == pytest.approx(1.5, rel=1e-6) and bool((norms > 1.5).all())
+
+
+def test_logical_step_without_noise_or_clipping_is_the_plain_gradient():
+    """sigma = 0 and a clip norm no gradient reaches: the step is grad(sum of unit losses) / (q N), whatever
+    the packing into micro-batches; with noise it is that plus N(0, (sigma C / (q N))^2)."""
+    from fedhisto.config import ModelConfig
+    from fedhisto.model.encoder import random_encoder
+    from fedhisto.model.peft_model import FedHistoModel
+    from fedhisto.privacy.step import logical_step, set_gradients
+    from fedhisto.privacy.unit_loss import PastUnitLoss
+
+    torch.manual_seed(0)
+    model = FedHistoModel(random_encoder("tiny"), ModelConfig(adapter_hidden=16, lora_dropout=0.0, adapter_dropout=0.0),
+                          film=False).double().train()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    g = torch.Generator().manual_seed(1)
+    views, labels = torch.rand(6, 2, 3, 48, 48, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    units = privacy_units([f"i{k}" for k in range(6)], "family", {"i0": "A", "i1": "B", "i2": "A", "i3": "C",
+                                                                   "i4": "D", "i5": "D"})
+    loss = PastUnitLoss(ce_weights=torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64), weight_js=0.25, weight_feat=0.1)
+    fetched = []
+
+    def fetch(idx):
+        fetched.append(idx.tolist())
+        return views[idx], labels[idx]
+
+    selected = np.array([0, 2, 3])  # families A (i0, i2), C (i3), D (i4, i5); B not sampled
+    acc = NoisyGradientSum(clip_norm=1e9, noise_multiplier=0.0, expected_units=2.0)
+    got = logical_step(model, loss, units, selected, fetch, acc, torch.Generator(), micro_batch=3, dropout="off")
+    assert fetched == [[0, 2, 3], [4, 5]]  # whole families per micro-batch
+    model.zero_grad()
+    sum(loss(*model(views[i]), labels[i]) for i in (0, 2, 3, 4, 5)).backward()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(got[n], p.grad / 2.0, rtol=1e-9, atol=1e-13)
+    set_gradients(model, got)
+    assert all(torch.equal(p.grad, got[n]) for n, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="does not fit the trainable state"):
+        set_gradients(model, {k: v for k, v in list(got.items())[1:]})
