@@ -98,3 +98,17 @@ def test_noised_prototypes_approach_the_plain_upload_and_are_accounted():
     ledger.record_round(0, [prototype_release(5.0)])
     assert ledger.epsilon() == pytest.approx(SiteAccountant("C1", 1e-5).epsilon([prototype_release(5.0)]))
     assert ledger.all_releases()[0].sample_rate == 1.0 and ledger.all_releases()[0].kind == "prototypes"
+
+
+def test_round_releases_feed_the_plan_check():
+    from fedhisto.privacy.accountant import check_plan
+    from fedhisto.privacy.dpsgd import steps_per_epoch
+    from fedhisto.privacy.releases import round_releases
+
+    plain = round_releases(1.0, 0.05, 2, uploads_prototypes=False)
+    assert [(r.steps, r.kind) for r in plain] == [(2 * steps_per_epoch(0.05), "dpsgd")]
+    with_protos = round_releases(1.0, 0.05, 2, uploads_prototypes=True)
+    assert [r.kind for r in with_protos] == ["dpsgd", "prototypes"]
+    eps_plain = check_plan("C4", 400, plain, 5, 1e-5, None, "stop")
+    eps_protos = check_plan("C4", 400, with_protos, 5, 1e-5, None, "stop")
+    assert all(b > a for a, b in zip(eps_plain, eps_protos, strict=True))  # the prototype upload costs epsilon

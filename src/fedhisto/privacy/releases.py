@@ -66,3 +66,15 @@ def noised_prototypes(embeddings: torch.Tensor, labels: torch.Tensor, unit_of: t
 def prototype_release(noise_multiplier: float) -> Release:
     """The ledger entry of one noised prototype upload."""
     return Release(noise_multiplier, 1.0, 1, kind="prototypes")
+
+
+def round_releases(noise_multiplier: float, sample_rate: float, local_epochs: int,
+                   uploads_prototypes: bool) -> list[Release]:
+    """What one site releases in one round under DP, for its ledger and ``accountant.check_plan``:
+    ``local_epochs`` expected passes of round(1 / q) Poisson steps each, and the noised prototype upload
+    when the method makes one (``privacy.prototypes: noised``)."""
+    steps = local_epochs * max(1, round(1 / sample_rate))  # dpsgd.steps_per_epoch
+    out = [Release(noise_multiplier, sample_rate, steps)]
+    if uploads_prototypes:
+        out.append(prototype_release(noise_multiplier))
+    return out
