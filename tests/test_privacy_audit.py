@@ -128,3 +128,25 @@ def test_loss_difference_scores_separate_trained_images():
     np.testing.assert_allclose(scores, ref.numpy(), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="12 candidate images for 11 labels"):
         loss_difference_scores(model, start, returned, x, y[:11])
+
+
+def test_lira_scores_by_hand():
+    from fedhisto.privacy.audit import lira_scores
+
+    out = np.array([[0.0, 1.0], [2.0, 3.0]])        # per candidate: mean 1 / 2, sd sqrt(2) each
+    z = lira_scores([3.0, 2.0], out)
+    np.testing.assert_allclose(z, [2 / np.sqrt(2), 0.0], rtol=1e-12)
+    ins = np.array([[4.0, 2.0], [6.0, 4.0]])          # mean 5 / 3, sd sqrt(2)
+    online = lira_scores([3.0, 2.0], out, ins)
+    # equal variances: the log ratio is ((s - mu_out)^2 - (s - mu_in)^2) / (2 sd^2)
+    np.testing.assert_allclose(online, [((3 - 1) ** 2 - (3 - 5) ** 2) / 4, ((2 - 2) ** 2 - (2 - 3) ** 2) / 4],
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="references >= 2"):
+        lira_scores([1.0, 2.0], out[:1])
+    rng = np.random.default_rng(5)  # members shifted by one reference sd are found better than by raw score
+    ref = rng.normal(0, 1, (16, 400)) + rng.normal(0, 3, 400)  # candidate-specific offsets hide the signal
+    member = np.r_[np.ones(200), np.zeros(200)].astype(bool)
+    observed = ref[0] + rng.normal(0, 0.1, 400) + member * 1.0
+    raw_auc = roc_auc(observed[member], observed[~member])
+    z = lira_scores(observed, ref[1:])
+    assert roc_auc(z[member], z[~member]) > raw_auc + 0.1

@@ -110,6 +110,35 @@ def empirical_epsilon(member, nonmember, delta: float = 0.0, confidence: float =
                              float(fnr_u[best]), int(thresholds.size), confidence)
 
 
+def lira_scores(observed, out_scores, in_scores=None, fixed_variance: bool = True) -> np.ndarray:
+    """Likelihood-ratio membership scores (LiRA, Carlini et al. 2022) from reference updates.
+
+    ``observed`` (n,): each candidate's attack score under the audited update; ``out_scores`` (r, n):
+    its scores under r reference updates trained WITHOUT it; ``in_scores`` (r, n), optional: WITH it.
+    Offline (no ``in_scores``): z = (s - mu_out) / sd_out, large when the candidate looks trained on.
+    Online: log N(s; mu_in, sd_in) - log N(s; mu_out, sd_out). ``fixed_variance`` pools one sd over the
+    candidates (what the paper recommends with few references); otherwise one sd per candidate.
+    """
+    s = _as_scores(observed, "observed")
+    out = np.asarray(out_scores, dtype=float)
+    if out.ndim != 2 or out.shape[1] != s.size or out.shape[0] < 2:
+        raise ValueError(f"out_scores must be (references >= 2, {s.size}), got {out.shape}")
+
+    def fit(ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mu = ref.mean(0)
+        sd = np.full_like(mu, ref.std(0, ddof=1).mean()) if fixed_variance else ref.std(0, ddof=1)
+        return mu, np.maximum(sd, 1e-12)
+
+    mu_out, sd_out = fit(out)
+    if in_scores is None:
+        return (s - mu_out) / sd_out
+    ins = np.asarray(in_scores, dtype=float)
+    if ins.shape[1:] != (s.size,) or ins.shape[0] < 2:
+        raise ValueError(f"in_scores must be (references >= 2, {s.size}), got {ins.shape}")
+    mu_in, sd_in = fit(ins)
+    return stats.norm.logpdf(s, mu_in, sd_in) - stats.norm.logpdf(s, mu_out, sd_out)
+
+
 def audit_summary(member, nonmember, delta: float = 0.0, resamples: int = 1000, seed: int = 0,
                   confidence: float = 0.95) -> dict:
     """Every statistic of one audit condition, with intervals, as one JSON-ready mapping."""
