@@ -112,3 +112,24 @@ def test_round_releases_feed_the_plan_check():
     eps_plain = check_plan("C4", 400, plain, 5, 1e-5, None, "stop")
     eps_protos = check_plan("C4", 400, with_protos, 5, 1e-5, None, "stop")
     assert all(b > a for a, b in zip(eps_plain, eps_protos, strict=True))  # the prototype upload costs epsilon
+
+
+def test_past_unit_loss_reads_the_method_and_its_round_payload():
+    from fedhisto.fedmath.prototypes import ServerPrototypes
+    from fedhisto.methods import build_method
+    from fedhisto.privacy.unit_loss import past_unit_loss
+
+    cfg = Config()
+    w = torch.tensor([1.0, 2.0, 0.5])
+    protos = ServerPrototypes(torch.randn(3, 8), torch.ones(3), torch.tensor([True, True, False]), torch.ones(3))
+    v2 = past_unit_loss(build_method("past_v2", cfg), {"prototypes": protos}, w)
+    s = cfg.train.past
+    assert (v2.weight_js, v2.weight_feat, v2.weight_proto, v2.prototypes, v2.margin) == (
+        s.weight_js, s.weight_feat, s.weight_proto, "v2", s.proto_margin)
+    assert torch.equal(v2.centroids, protos.centroids) and torch.equal(v2.ce_weights, w)
+    first_round = past_unit_loss(build_method("past_v2", cfg), {"prototypes": None}, w)
+    assert first_round.prototypes == "none" and first_round.weight_proto == 0.0  # no global prototypes yet
+    fedavg = past_unit_loss(build_method("fedavg_peft", cfg), {"prototypes": protos}, w)
+    assert (fedavg.weight_js, fedavg.weight_feat, fedavg.prototypes) == (0.0, 0.0, "none")
+    no_js = past_unit_loss(build_method("v2_no_js", cfg), {"prototypes": protos}, w)
+    assert no_js.weight_js == 0.0 and no_js.weight_feat == s.weight_feat
