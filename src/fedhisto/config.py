@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, create_model, model_vali
 from fedhisto import CLASSES
 from fedhisto.config_base import IF_CHANGED, ConfigError, Method, Seeds, Strict
 from fedhisto.config_experiments import ExperimentsConfig
+from fedhisto.config_privacy import PrivacyConfig
 from fedhisto.model.zoo import ENCODER_NAMES, ENCODERS
 
 ClassName = Literal["ACA", "Normal", "SCC"]
@@ -308,6 +309,7 @@ class Config(Strict):
     evaluate: EvaluateConfig = EvaluateConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     experiments: ExperimentsConfig = ExperimentsConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -342,6 +344,10 @@ class Config(Strict):
             raise ValueError(f"manifest.targets disagree with synthetic profile '{self.cohort.synthetic.profile}'; "
                              "omit manifest.targets to use the profile's counts")
         self._ablation_seeds_trained()
+        if self.privacy.enabled:  # refuses, by name, what DP-SGD cannot run (fedhisto.privacy.support)
+            from fedhisto.privacy.support import check_privacy
+
+            check_privacy(self)
         return self
 
     def _ablation_seeds_trained(self) -> None:

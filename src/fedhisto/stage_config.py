@@ -53,8 +53,11 @@ def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
                 "image_size": cfg.cohort.synthetic.image_size}
     if stage == "train":
         method, seed = wildcards["method"], int(wildcards["seed"])
-        return {"method": method, "seed": seed, "train": training_settings(cfg, method),
-                "model": _model(cfg), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
+        block = {"method": method, "seed": seed, "train": training_settings(cfg, method),
+                 "model": _model(cfg), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
+        if cfg.privacy.enabled:  # DP runs are other runs; privacy off leaves every identity as it was
+            block["privacy"] = dump(cfg.privacy)
+        return block
     if stage == "predict":
         scaled = {k: v for k, v in dump(cfg.evaluate).items() if k == "temperature_scaling"}
         return {"method": wildcards["method"], "seed": int(wildcards["seed"]), "views": dump(cfg.views),
