@@ -23,9 +23,10 @@ from fedhisto.methods import build_method, method_names
 from fedhisto.methods.base import named_rng
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.batched import MemberJob, StackedAdamW, batched_local_train, clip_per_member
+from fedhisto.train.batched import StackedAdamW, batched_local_train, clip_per_member
 from fedhisto.train.data import Split
 from fedhisto.train.local import local_train
+from fedhisto.train.plan import MemberJob
 
 CFG = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16,
                  "lora_dropout": 0.0, "adapter_dropout": 0.0},

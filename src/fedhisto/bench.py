@@ -36,9 +36,8 @@ import numpy as np
 import torch
 
 from fedhisto.config import load_config
-from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods import build_method
-from fedhisto.methods.base import Batch, LocalRun
+from fedhisto.methods.base import Batch
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.model.zoo import encoder_entry
@@ -51,6 +50,7 @@ from fedhisto.train.batched import (
     stacked_forward,
 )
 from fedhisto.train.data import Split
+from fedhisto.train.plan import MemberJob, local_run
 from fedhisto.views import training_views
 from fedhisto.views_device import DeviceImages, draw_views, render_views
 
@@ -153,9 +153,9 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     dummy = Split([f"{k:016x}" for k in range(micro)], y.tolist(), [])
     desc = torch.zeros(1, 14, device=device)
     state = model.trainable_state()
-    runs = [LocalRun(model=model, data=dummy, descriptor=desc, payload={}, start_state=state, params={}, nominal_batch=micro,
-                     ce_weights=class_balanced_weights(dummy.class_counts()).to(device), cfg=cfg, seed=11,
-                     round_idx=0, client_idx=m, device=device) for m in range(members)]
+    plan = method.local_schedule(0)
+    runs = [local_run(model, MemberJob(state, dummy, desc[0], {}, 11, 0, m), cfg, plan, device, {})
+            for m in range(members)]
     batch = Batch(np.arange(micro), y, 0, 0, 0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -258,10 +258,13 @@ class Method:
         return BatchInputs([torch.stack([v[k] for v in views]) for k in range(len(views[0]))])
 
     def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
-        """The named loss terms of one micro-batch; the engine sums them and back-propagates."""
+        """The named loss terms of one micro-batch; the engine sums them and back-propagates. The views
+        are forwarded one at a time, each restyled as its spec says (``restyle_views``)."""
         inputs = self.batch_inputs(run, batch)
-        with run.autocast():
-            outs = [run.model(x.to(run.device), run.descriptor) for x in inputs.views]
+        outs = []
+        for k, x in enumerate(inputs.views):
+            with run.autocast(), restyle_views(run.model, self, [(0, x.shape[0], inputs.spec(k))]):
+                outs.append(run.model(x.to(run.device), run.descriptor))
         return self.terms_from_outputs(run, batch, [o[0].float() for o in outs], [o[1].float() for o in outs])
 
     def terms_from_outputs(self, run: LocalRun, batch: Batch, logits: list[torch.Tensor],
@@ -294,6 +297,37 @@ class Method:
         """Bytes per round beyond the model exchange, by message kind (Table 8): ``dim`` is the embedding
         width, ``payload_bytes`` the trainable state's size (one copy) in float32."""
         return {}
+
+
+def restyle_output(method: Method, output: Any, groups: Sequence[tuple[int, int, Any]]) -> Any:
+    """A block's output with each row group [start, end) that carries a spec restyled by
+    ``method.restyle`` (None: unchanged); tuple outputs (transformers blocks) keep their tail."""
+    if all(spec is None for *_, spec in groups):
+        return None
+    hidden = output[0] if isinstance(output, tuple) else output
+    parts = [hidden[s:e] if spec is None else method.restyle(hidden[s:e], spec) for s, e, spec in groups]
+    mixed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+
+
+@contextmanager
+def restyle_views(model: FedHistoModel, method: Method, groups: Any) -> Iterator[None]:
+    """Within: the method's restyle block (``restyle_layer``) restyles the row groups of every forward.
+    ``groups``: [(start, end, spec)], or a callable returning them at each forward (the batched engine's
+    layout changes per step). The one restyle hook of both engines."""
+    layer = method.restyle_layer()
+    if layer is None:
+        yield
+        return
+    blocks = model.encoder_blocks()
+    if not 0 <= layer < len(blocks):
+        raise ValueError(f"{method.name}: restyle block {layer} does not exist (the encoder has {len(blocks)} blocks)")
+    handle = blocks[layer].register_forward_hook(
+        lambda _module, _inputs, output: restyle_output(method, output, groups() if callable(groups) else groups))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def zero_descriptors(participants: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -16,9 +16,6 @@ taken on the evaluation view of the sampled images.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 import torch
 from pydantic import Field
@@ -121,17 +118,7 @@ class FedStainCode(FedStain):
     def local_schedule(self, round_idx: int):
         return Method.local_schedule(self, round_idx)  # the study's protocol (no paper switch here)
 
-    @contextmanager
-    def local_session(self, run: LocalRun) -> Iterator[None]:
-        yield
-
-    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
-        x, rng = self.plain_views(run, batch)
-        with run.autocast():
-            return fedstain_code_terms(run.model, x, batch.y, run.payload["style_pool"], run.ce_weights, run.cfg,
-                                       rng, run.device, run.nominal_batch)
-
-    # the batched engine's half: the same three views and loss; nothing restyles features
+    # three views and the code's loss; nothing restyles features
     def batch_inputs(self, run: LocalRun, batch: Batch) -> BatchInputs:
         x, rng = self.plain_views(run, batch)
         return BatchInputs([x, *generated_views(x, run.payload["style_pool"], self.settings, run.cfg, rng)])

@@ -88,8 +88,8 @@ class FedHistoModel(nn.Module):
         """The encoder's transformer blocks in order (FedStain's restyling hooks one of them)."""
         return encoder_blocks(self.encoder_entry, self.encoder)
 
-    def embed(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> torch.Tensor:
-        cls = self.encoder_embedding(pixels)
+    def adapt(self, cls: torch.Tensor, descriptor: torch.Tensor | None = None) -> torch.Tensor:
+        """The adapted embedding z of encoder embeddings: residual adapter, then FiLM."""
         z = self.adapter(cls)
         if self.film is not None:
             if descriptor is None:
@@ -97,9 +97,16 @@ class FedHistoModel(nn.Module):
             z = self.film(z, descriptor.to(z.dtype).expand(z.shape[0], -1))
         return z
 
-    def forward(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.embed(pixels, descriptor)
+    def head(self, cls: torch.Tensor, descriptor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, z) of encoder embeddings: the one definition of the pathway after the encoder."""
+        z = self.adapt(cls, descriptor)
         return self.classifier(z), z
+
+    def embed(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> torch.Tensor:
+        return self.adapt(self.encoder_embedding(pixels), descriptor)
+
+    def forward(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(self.encoder_embedding(pixels), descriptor)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Exactly what is exchanged and checkpointed: the trainable tensors, detached."""

@@ -94,7 +94,8 @@ class InProcess:
             return self._each(r, starts, lambda n: local_train(
                 self.method, self.model, starts[n], self.clients[n], self.descriptors[n], payloads[n], self.cfg,
                 self.seed, r, k[n], self.device))
-        from fedhisto.train.batched import MemberJob, batched_local_train
+        from fedhisto.train.batched import batched_local_train
+        from fedhisto.train.plan import MemberJob
 
         ready, lost = self._each(r, starts, lambda n: None)  # injected faults resolve per participant first
         order = [n for n in starts if n in ready]
