@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from fedhisto import CLASSES
-from fedhisto.code_identity import CodeMismatch, check_code, code_identity, source_digest
+from fedhisto.code_identity import CodeMismatch, check_code, code_identity, identity_strings, source_digest
 from fedhisto.config import SyntheticCohort, load_config
 from fedhisto.federation.coordinator import UploadsRefused, check_uploads
 from fedhisto.federation.prepare import prepare_site
@@ -312,13 +312,16 @@ def test_source_digest_is_the_same_for_a_copy_and_differs_after_an_edit(tmp_path
     copy = tmp_path / "fedhisto"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "stray.pyc").write_bytes(b"not source")
-    assert source_digest(copy) == code_identity()["source_digest"]  # a wheel's files, no git: same digest
+    assert source_digest(copy) == source_digest()  # a wheel's files, no git: same digest
     with (copy / "metrics.py").open("a") as fh:
         fh.write("\n# a site's local edit\n")
+    assert source_digest(copy) != source_digest()
     edited = {**code_identity(), "source_digest": source_digest(copy), "git_commit": None}
     with pytest.raises(CodeMismatch, match="site C4 runs other code"):
         check_code("site C4", edited)
     check_code("site C4", {**code_identity(), "git_commit": None})  # no commit (a wheel) is no reason to refuse
+    check_code("site C4", identity_strings())  # as a ConfigRecord carries it
+    assert set(identity_strings().values()) <= {v if v is not None else "" for v in code_identity().values()}
     with pytest.raises(CodeMismatch, match="no code identity"):
         check_code("site C4", "0.1.0")
 
@@ -339,3 +342,32 @@ def test_open_audit_sees_image_reads():
         finally:
             _RECORDING[0] = False
         assert os.path.realpath(p) in _OPENED
+
+
+# ------------------------------------------------------------------ command line
+def test_cli_two_word_spellings_reach_the_site_local_commands(capsys):
+    from fedhisto.cli import main
+
+    for argv, prog in ((["site", "prepare", "--help"], "site-prepare"), (["federation", "check-uploads", "--help"],
+                                                                         "check-uploads")):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0 and f"fedhisto {prog}" in capsys.readouterr().out
+
+
+def test_cli_check_uploads_exits_2_naming_the_refused_site(federation, tmp_path, capsys):
+    from fedhisto.cli import main
+
+    uploads = _copy_uploads(federation, tmp_path / "in")
+    doc = json.loads(uploads["C4"].read_text())
+    doc["descriptor"]["raw"] = "abc"
+    uploads["C4"].write_text(json.dumps(doc))
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(federation["cfg"].model_dump(mode="json")))  # YAML reads JSON
+    rc = main(["check-uploads", *map(str, uploads.values()), "--config", str(config), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "C4: site C4: upload refused: descriptor.raw must hold 14 numbers" in err
+    ok = main(["check-uploads", *(str(federation["uploads"][s]) for s in SITES), "--config", str(config),
+               "--out", str(tmp_path / "ok")])
+    check = json.loads((tmp_path / "ok" / "check.json").read_text())
+    assert ok == 0 and check["duplicates"]["unresolved_components"] == 0 and len(check["dataset_identity"]) == 64

@@ -72,3 +72,10 @@ def check_code(party: str, theirs: object, ours: dict | None = None) -> None:
             f"{theirs.get('package_version')}, commit {theirs.get('git_commit')}) vs the coordinator's "
             f"{ours['source_digest'][:16]}... (version {ours['package_version']}, commit {ours['git_commit']}); "
             "install the coordinator's release on that site")
+
+
+def identity_strings(ident: dict | None = None) -> dict[str, str]:
+    """The identity with every value a string (no commit -> ""), as a Flower ConfigRecord carries it in
+    the handshake; :func:`check_code` accepts it unchanged."""
+    ident = ident or code_identity()
+    return {k: "" if v is None else str(v) for k, v in ident.items()}

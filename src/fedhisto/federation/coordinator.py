@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -151,7 +152,9 @@ def duplicate_audit(uploads: list[SiteUpload], phash_threshold: int) -> dict:
     pair_rows.sort(key=lambda r: (r["component"], r["site_a"], r["sample_id_a"], r["site_b"], r["sample_id_b"]))
     for rows in drops.values():
         rows.sort(key=lambda r: r["sample_id"])
-    return {"pairs": pair_rows, "drops": drops,
+    members_of = {(nodes[i][0], nodes[i][1]["sample_id"]): comp_name[root]
+                  for root, members in components.items() if root in comp_name for i in members}
+    return {"pairs": pair_rows, "drops": drops, "components": members_of,
             "summary": {"images": len(nodes), "suspected_pairs": len(pair_rows),
                         "exact_pairs": sum(1 for p in pairs if p["match"] == "exact"),
                         "phash_pairs": sum(1 for p in pairs if p["match"] == "phash"),
@@ -159,6 +162,13 @@ def duplicate_audit(uploads: list[SiteUpload], phash_threshold: int) -> dict:
                         "drops_per_site": {s: len(r) for s, r in sorted(drops.items())},
                         "pending_drops_per_site": {s: sum(1 for r in rows if (s, r["sample_id"]) in kept)
                                                    for s, rows in sorted(drops.items())}}}
+
+
+def federation_identity(uploads: list[SiteUpload]) -> str:
+    """One digest of every site's manifest identity: what ``fedhisto federate --dataset-identity`` binds a
+    run to when no central manifest exists (a site that re-prepares changes it)."""
+    lines = sorted(f"{u.site}:{u.role}:{u.manifest_identity}" for u in uploads)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def check_uploads(paths: list[str | Path], cfg: Config, out_dir: str | Path) -> dict:
@@ -184,6 +194,6 @@ def check_uploads(paths: list[str | Path], cfg: Config, out_dir: str | Path) -> 
     summary = {"sites": {u.site: {"role": u.role, "class_counts": u.class_counts, "images": len(u.images),
                                   "kept": u.kept(), "manifest_identity": u.manifest_identity,
                                   "code": u.code} for u in uploads},
-               "duplicates": audit["summary"], "provenance": prov}
+               "dataset_identity": federation_identity(uploads), "duplicates": audit["summary"], "provenance": prov}
     write_json(out / "check.json", summary)
     return json.loads(json.dumps(summary, default=str))

@@ -51,6 +51,8 @@ from fedhisto.stain import site_descriptor
 log = logging.getLogger(__name__)
 STAGE = "site"
 LAYOUTS = ("folders", "lc25000", "wsss4luad", "lunghist700")
+#: ``--config`` keys of the site workflow (workflow/site/Snakefile) that are not pipeline settings
+SITE_KEYS = ("site", "images", "role", "layout", "source_site", "exclude")
 
 
 class SitePrepareError(RuntimeError):
