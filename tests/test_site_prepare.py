@@ -25,6 +25,7 @@ from fedhisto.config import SyntheticCohort, load_config
 from fedhisto.federation.coordinator import UploadsRefused, check_uploads
 from fedhisto.federation.prepare import prepare_site
 from fedhisto.federation.upload import read_upload
+from fedhisto.manifest import MANIFEST_COLUMNS
 
 _OPENED: list[str] = []
 _RECORDING = [False]
@@ -212,6 +213,7 @@ def test_site_manifests_equal_the_central_manifest(federation):
     local = set()
     for site in SITES:
         rows = _read(federation["tmp"] / "prepared" / site / "manifest" / "manifest.csv")
+        assert tuple(rows[0]) == MANIFEST_COLUMNS  # what a SuperNode's site.load_site_split reads
         assert {r["client"] for r in rows} == {site}
         local |= {(r["sample_id"], r["client"], r["split"]) for r in rows if r["split"] != "unused"}
     assert local == {c for c in central if c[2] != "unused"}
@@ -371,3 +373,17 @@ def test_cli_check_uploads_exits_2_naming_the_refused_site(federation, tmp_path,
                "--out", str(tmp_path / "ok")])
     check = json.loads((tmp_path / "ok" / "check.json").read_text())
     assert ok == 0 and check["duplicates"]["unresolved_components"] == 0 and len(check["dataset_identity"]) == 64
+
+
+def test_site_workflow_is_lint_clean_and_needs_site_and_images(repo, snakemake_bin, federation):
+    import subprocess
+
+    snakefile = str(repo / "workflow/site/Snakefile")
+    lint = subprocess.run([snakemake_bin, "-s", snakefile, "--lint", "--config", "site=C2",
+                           f"images={federation['folders']['C2']}"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert lint.returncode == 0 and "Congratulations" in lint.stdout + lint.stderr, lint.stdout + lint.stderr
+    dry = subprocess.run([snakemake_bin, "-s", snakefile, "-n", "--config", "site=C2",
+                          f"images={federation['folders']['C2']}"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0 and "results/site/C2/upload.json" in dry.stdout, dry.stdout + dry.stderr
+    missing = subprocess.run([snakemake_bin, "-s", snakefile, "-n"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "--config site=" in missing.stdout + missing.stderr

@@ -176,7 +176,7 @@ def check_uploads(paths: list[str | Path], cfg: Config, out_dir: str | Path) -> 
     ``refused.json`` when any site is refused."""
     out = Path(out_dir)
     uploads, refusals = gate(paths, cfg)
-    prov = provenance_block(STAGE, {"settings": settings_digest(cfg)}, {Path(p).parent.name: p for p in paths})
+    prov = provenance_block(STAGE, {"settings": settings_digest(cfg)}, {str(p): p for p in paths})
     if refusals:
         write_json(out / "refused.json", {"refused": refusals, "accepted": [u.site for u in uploads],
                                           "provenance": prov})
