@@ -11,6 +11,12 @@ random hyperplanes; an image's signature is its word-count vector; the coordinat
 every site's counts, takes sqrt-TF-IDF cosines, and compares cross-site pairs of one planted family
 with every other cross-site pair. Prints the true-pair similarity quantiles and, per threshold,
 recall against the number of false cross-site pairs proposed (docs/federation.md records a run).
+
+Second, the clearance engine's own data-free global descriptor (``candidates.global_descriptor``:
+rotation- and flip-invariant colour, angular-spectrum and radial statistics), standardised at the
+coordinator over all images: cross-site pairs above a cosine threshold are joined to the hash audit's
+components (the six ``upload.json`` of ``site_duplicate_audit.py``), and the cross-site pair recall
+and precision of the union are printed per threshold.
 """
 
 from __future__ import annotations
@@ -64,7 +70,60 @@ def main() -> int:
     for thr in (0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6):
         print(f"cosine >= {thr:.2f}: recall {np.mean(true_s >= thr):.3f}, false cross-site pairs "
               f"{int(np.sum(other_s >= thr))}")
+    union_with_hash_audit(work)
     return 0
+
+
+def union_with_hash_audit(work: Path) -> None:
+    from collections import defaultdict
+    from itertools import combinations
+
+    from fedhisto.clearance.candidates import global_descriptor
+    from fedhisto.clearance.families import UnionFind
+    from fedhisto.config import load_config_file
+    from fedhisto.federation.coordinator import duplicate_audit
+    from fedhisto.federation.upload import read_upload
+    from fedhisto.manifest import sample_id
+
+    cfg = load_config_file("config/config.yaml")
+    sites = {"C1": "site1", "C2": "site2", "C3": "site3", "C4": "site4", "C5": "site5", "EXT": "external"}
+    site_of = {v: k for k, v in sites.items()}
+    with (work / "cohort" / "sources.csv").open() as fh:
+        rows = {(site_of[r["site"]], sample_id(r["relpath"])): r for r in csv.DictReader(fh)}
+    with (work / "cohort" / "planted_families.csv").open() as fh:
+        family = {r["relpath"]: r["family"] for r in csv.DictReader(fh)}
+    ups = [read_upload(work / "sites" / s / "upload.json", cfg) for s in sites]
+    nodes = [(u.site, im) for u in ups for im in u.images]
+    index = {(s, im["sample_id"]): i for i, (s, im) in enumerate(nodes)}
+    desc = np.stack([global_descriptor(load_rgb(rows[(s, im["sample_id"])]["path"])) for s, im in nodes])
+    z = (desc - desc.mean(0)) / (desc.std(0) + 1e-9)
+    z /= np.linalg.norm(z, axis=1, keepdims=True) + 1e-12
+    sim = np.triu(z @ z.T, 1)
+    audit = duplicate_audit(ups, cfg.clearance.phash_threshold)
+    groups = defaultdict(list)
+    for i, (s, im) in enumerate(nodes):
+        rel = rows[(s, im["sample_id"])]["relpath"]
+        if rel in family:
+            groups[family[rel]].append(i)
+    truth = {(a, b) for g in groups.values() for a, b in combinations(sorted(g), 2) if nodes[a][0] != nodes[b][0]}
+    for thr in (None, 0.9, 0.8, 0.75, 0.7):
+        uf = UnionFind(len(nodes))
+        first: dict = {}
+        for i, (s, im) in enumerate(nodes):
+            uf.union(first.setdefault((s, im["family"]), i), i)
+        for p in audit["pairs"]:
+            uf.union(index[(p["site_a"], p["sample_id_a"])], index[(p["site_b"], p["sample_id_b"])])
+        if thr is not None:
+            for i, j in zip(*np.nonzero(sim >= thr), strict=True):
+                if nodes[i][0] != nodes[j][0]:
+                    uf.union(int(i), int(j))
+        comp = defaultdict(list)
+        for i in range(len(nodes)):
+            comp[uf.find(i)].append(i)
+        found = {(a, b) for g in comp.values() for a, b in combinations(g, 2) if nodes[a][0] != nodes[b][0]}
+        hits = len(found & truth)
+        print(f"hashes{'' if thr is None else f' + global descriptor cosine >= {thr}'}: {len(found)} cross-site "
+              f"pairs, recall {hits / len(truth):.3f}, precision {hits / max(len(found), 1):.3f}")
 
 
 if __name__ == "__main__":
