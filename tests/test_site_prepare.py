@@ -387,3 +387,26 @@ def test_site_workflow_is_lint_clean_and_needs_site_and_images(repo, snakemake_b
     assert dry.returncode == 0 and "results/site/C2/upload.json" in dry.stdout, dry.stdout + dry.stderr
     missing = subprocess.run([snakemake_bin, "-s", snakefile, "-n"], cwd=repo, capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "--config site=" in missing.stdout + missing.stderr
+
+
+def test_a_site_states_its_code_identity_in_the_handshake(federation):
+    """The ClientApp's ``query`` reply (and every ``train`` reply) carries ``code_identity`` as strings,
+    which ``check_code`` on the coordinator accepts; the server-side refusal is wired by the round driver."""
+    pytest.importorskip("flwr")
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedhisto.federation.client_app import app
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    raw = federation["cfg"].model_dump(mode="json")
+    raw["model"].update(encoder={"name": "tiny", "require_pretrained": False}, adapter_hidden=16, film_hidden=16)
+    raw["views"]["crop_size"] = 48
+    run = {"method": "fedavg_peft", "seed": 11, "config": json.dumps(raw), "site": "", "round": -1, "k": -1}
+    msg = Message(RecordDict({"run": ConfigRecord(run)}), dst_node_id=1, message_type="query")
+    msg.metadata.__dict__["_message_id"] = "m1"
+    node = {"site-id": "C2", "manifest": str(federation["tmp"] / "prepared" / "C2" / "manifest" / "manifest.csv")}
+    reply = app(msg, Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={}))
+    assert "error" not in reply.content, dict(reply.content["error"])
+    assert dict(reply.content["code"]) == identity_strings()
+    check_code("site C2", dict(reply.content["code"]))
