@@ -180,6 +180,8 @@ def parse_upload(doc: object, where: str, cfg: Config) -> SiteUpload:
             raise _fail(site, f"site_index {k!r}, but {site} is client {clients.index(site)} of {clients}")
     elif doc.get("descriptor") is not None:
         raise _fail(site, f"a {role} site uploads no stain descriptor (it is conditioned on the centroid)")
+    elif doc["site_index"] is not None:
+        raise _fail(site, f"a {role} site has no client index (got site_index {doc['site_index']!r})")
     fields = {k: doc[k] for k in SiteUpload.__dataclass_fields__ if k in doc}
     return SiteUpload(**fields)
 
