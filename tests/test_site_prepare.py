@@ -385,6 +385,10 @@ def test_site_workflow_is_lint_clean_and_needs_site_and_images(repo, snakemake_b
     dry = subprocess.run([snakemake_bin, "-s", snakefile, "-n", "--config", "site=C2",
                           f"images={federation['folders']['C2']}"], cwd=repo, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0 and "results/site/C2/upload.json" in dry.stdout, dry.stdout + dry.stderr
+    from fedhisto.federation.prepare import folder_inventory
+
+    before = folder_inventory(federation["folders"]["C2"])
+    assert before == folder_inventory(federation["folders"]["C2"]) and len(before) == 64
     missing = subprocess.run([snakemake_bin, "-s", snakefile, "-n"], cwd=repo, capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "--config site=" in missing.stdout + missing.stderr
 
@@ -410,3 +414,15 @@ def test_a_site_states_its_code_identity_in_the_handshake(federation):
     assert "error" not in reply.content, dict(reply.content["error"])
     assert dict(reply.content["code"]) == identity_strings()
     check_code("site C2", dict(reply.content["code"]))
+
+
+def test_folder_inventory_changes_when_an_image_deep_inside_changes(tmp_path):
+    from fedhisto.federation.prepare import folder_inventory
+
+    img = tmp_path / "site" / "ACA" / "a.png"
+    img.parent.mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(img)
+    first = folder_inventory(tmp_path / "site")
+    Image.new("RGB", (5, 4)).save(tmp_path / "site" / "ACA" / "b.png")
+    assert folder_inventory(tmp_path / "site") != first
+    assert folder_inventory(tmp_path / "nowhere") == "missing"

@@ -93,6 +93,19 @@ def read_site_images(images: Path, source_site: str, layout: str, cohort: str) -
     return rows
 
 
+def folder_inventory(images: str | Path) -> str:
+    """SHA-256 of the sorted ``relpath:size:mtime`` lines below ``images``: the site workflow's rerun
+    trigger (a folder's own mtime does not change when a file deep inside it does)."""
+    import hashlib
+
+    root = Path(images)
+    if not root.is_dir():
+        return "missing"
+    lines = sorted(f"{p.relative_to(root).as_posix()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                   for p in root.rglob("*") if p.is_file())
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def read_drop_list(path: Path | None) -> set[str]:
     if path is None:
         return set()
