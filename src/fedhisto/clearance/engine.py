@@ -41,6 +41,9 @@ class AuditResult:
     families: list[list[int]]
     stats: dict = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)
+    #: N x V dihedral PHashes (V = 8, or 1 without dihedral invariance): a site uploads them for the
+    #: coordinator's cross-site audit (federation.coordinator)
+    phashes: np.ndarray | None = None
 
 
 def _fingerprint(path: str) -> Fingerprint:
@@ -182,4 +185,4 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
                     "verify": round(t_end - t_cand, 2), "total": round(t_end - t0, 2)},
     }
     log.info("clearance: %s", stats)
-    return AuditResult(digests, edges, fams, stats, failures)
+    return AuditResult(digests, edges, fams, stats, failures, hashes)
