@@ -179,6 +179,31 @@ def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp
     assert all("C5" not in h["weights"] for h in ckpt["history"])
 
 
+def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: dict, tmp_path: Path, monkeypatch):
+    import fedhisto.federation.client_app as client_app
+    from fedhisto.code_identity import identity_strings
+    from fedhisto.federation.server import FederatedRun
+    from fedhisto.federation.server_app import GridExchange
+
+    real = identity_strings()
+
+    def code_of_this_site():  # the ClientApp's site: C3 runs another build of the package
+        import inspect
+
+        site = next(f.frame.f_locals["site"] for f in inspect.stack() if "site" in f.frame.f_locals)
+        return {**real, "source_digest": "0" * 64} if site.sc.site == "C3" else real
+
+    monkeypatch.setattr(client_app, "identity_strings", code_of_this_site)
+    fed = FederatedRun(load_config_file(prepared["config"]), "fedavg_peft", 11, SITES, tmp_path,
+                       prepared["dataset_identity"], str(prepared["descriptors"]))
+    ex = GridExchange(LocalGrid(node_configs(prepared), {}), SITES, 60, 5,
+                      {"method": "fedavg_peft", "seed": 11, "config": fed.cfg_json})
+    ckpt = fed.run(ex)
+    for h in ckpt["history"]:
+        assert set(h["unavailable_clients"]) == {"C3"} and "C3" not in h["weights"] and len(h["weights"]) == 4
+        assert "refused: site C3 runs other code: source digest 0000" in h["unavailable_clients"]["C3"]
+
+
 def test_flower_checkpoint_goes_through_predict_metrics_and_bootstrap(prepared: dict, tmp_path: Path):
     from fedhisto.bootstrap import run_bootstrap
     from fedhisto.metrics import run_metrics

@@ -26,6 +26,7 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from fedhisto.atomic import write_json
+from fedhisto.code_identity import CodeMismatch, check_code
 from fedhisto.config import Config
 from fedhisto.federation.records import get_value, payload_bytes, put_members, put_payload, state_record
 from fedhisto.methods import build_method
@@ -189,6 +190,13 @@ class FlowerParticipants:
             out[n] = self._start(n, r, state)
             put_payload(out[n], payloads[n])
         ok, lost = self.run._exchange(self.ex, "train", out, r, self.traffic)
+        for n in list(ok):
+            try:  # a site on other code is refused by name; its update is not used, the others' are
+                check_code(f"site {n}", dict(ok[n]["code"]) if "code" in ok[n] else None)
+            except CodeMismatch as exc:
+                log.warning("round %d: %s", r + 1, exc)
+                lost[n] = f"refused: {exc}"
+                del ok[n]
         for n, rd in ok.items():
             self.run._check_identity(n, rd, r)
         return {n: LocalResult(dict(rd["state"].to_torch_state_dict()), int(rd["metrics"]["num-examples"]),
