@@ -26,12 +26,12 @@ from fedhisto.methods import build_method
 from fedhisto.model.build import pick_device
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.model.zoo import ENCODER_NAMES, encoder_entry
+from fedhisto.splits import Split
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
-from fedhisto.train.data import Split
 from fedhisto.train.loop import run_rounds
 from fedhisto.train.participants import InProcess
+from fedhisto.zoo import ENCODER_NAMES, encoder_entry
 
 
 def synthetic_split(n: int, site: str, seed: int) -> Split:

@@ -23,8 +23,8 @@ from fedhisto.methods import build_method, method_names
 from fedhisto.methods.base import named_rng
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.splits import Split
 from fedhisto.train.batched import StackedAdamW, batched_local_train, clip_per_member
-from fedhisto.train.data import Split
 from fedhisto.train.local import local_train
 from fedhisto.train.plan import MemberJob
 

@@ -109,7 +109,7 @@ def test_run_seeds_are_distinct_non_negative_integers_named_by_key(key: str, see
 def test_method_settings_blocks_come_from_the_registry_and_the_stored_schema_is_current():
     from fedhisto.config import settings_schema_text
     from fedhisto.methods import settings_blocks
-    from fedhisto.methods.settings import SCHEMA_FILE
+    from fedhisto.registry import SCHEMA_FILE
 
     assert SCHEMA_FILE.read_text() == settings_schema_text(), "run: fedhisto schema --write workflow/schemas/config.schema.json"
     cfg = load_config({"train": {"past": {"weight_js": 0.5}}})

@@ -2,7 +2,7 @@
 architecture (no download). transformers entries run in the main lane; timm entries need
 fedhisto[zoo] and run under ``-m zoo`` (README: the zoo lane).
 
-Adding an encoder: one entry in ``fedhisto.model.zoo`` plus its row in ``ROWS``.
+Adding an encoder: one entry in ``fedhisto.zoo`` plus its row in ``ROWS``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fedhisto.config import EncoderConfig, ModelConfig, load_config
 from fedhisto.config_base import ConfigError
 from fedhisto.model.card import meta_model
 from fedhisto.model.encoder import EncoderLoadError, load_encoder, load_encoder_folder, random_encoder
-from fedhisto.model.zoo import ENCODERS, encoder_entry
+from fedhisto.zoo import ENCODERS, encoder_entry
 
 # name: (LoRA modules, LoRA parameters at the study's r = 8 on query/key/value/attention_output, embedding dim).
 # transformers: q, k, v, o per block, each D -> D: modules 4 L, parameters L * 4 * r (D + D) = 64 D L.
@@ -66,7 +66,7 @@ def test_every_entry_has_a_test_row():
 
 def test_registry_and_config_import_without_torch():
     """The Snakefile reads the registry at parse time: importing it must not import torch."""
-    code = ("import sys, fedhisto.model.zoo, fedhisto.config; "
+    code = ("import sys, fedhisto.zoo, fedhisto.config; "
             "sys.exit(int(any(m in sys.modules for m in ('torch', 'transformers', 'timm'))))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

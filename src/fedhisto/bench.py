@@ -40,7 +40,7 @@ from fedhisto.methods import build_method
 from fedhisto.methods.base import Batch
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.model.zoo import encoder_entry
+from fedhisto.splits import Split
 from fedhisto.train.batched import (
     Layout,
     StackedAdamW,
@@ -49,10 +49,10 @@ from fedhisto.train.batched import (
     stack_states,
     stacked_forward,
 )
-from fedhisto.train.data import Split
 from fedhisto.train.plan import MemberJob, local_run
 from fedhisto.views import training_views
 from fedhisto.views_device import DeviceImages, draw_views, render_views
+from fedhisto.zoo import encoder_entry
 
 #: head sizes: the embedded default's for the tiny encoder, the study's for every foundation model
 TINY_HEAD = {"adapter_hidden": 32, "film_hidden": 32}

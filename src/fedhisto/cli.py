@@ -16,11 +16,11 @@ SCHEMA_PATH = Path("workflow/schemas/config.schema.json")
 
 def _cmd_schema(args: argparse.Namespace) -> int:
     """The config's JSON schema; with --write also the package's method settings schema
-    (``methods/settings.schema.json``), the config's own source for method blocks, first."""
+    (``method_settings.schema.json``), the config's own source for method blocks, first."""
     if args.write:
         from fedhisto.atomic import write_text
         from fedhisto.config import settings_schema_text
-        from fedhisto.methods.settings import SCHEMA_FILE
+        from fedhisto.registry import SCHEMA_FILE
 
         write_text(SCHEMA_FILE, settings_schema_text())
         # the config models read the settings schema when fedhisto.config is imported: regenerate in a fresh process
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_audit)
 
     from fedhisto.methods import method_names
-    from fedhisto.model.zoo import ENCODER_NAMES
+    from fedhisto.zoo import ENCODER_NAMES
 
     p = sub.add_parser("model-card", help="parameter counts of a method's model as JSON (no weights downloaded)")
     p.add_argument("--encoder", choices=ENCODER_NAMES, default="hibou-b")

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from fedhisto import CLASSES
-from fedhisto.config_base import IF_CHANGED, ConfigError, Method, Seeds, Strict
+from fedhisto.config_base import IF_CHANGED, ConfigError, Seeds, Strict
 from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage imports its block from here)
     ClassName,
     ClearanceConfig,
@@ -36,13 +36,14 @@ from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage impor
 )
 from fedhisto.config_experiments import ExperimentsConfig
 from fedhisto.config_privacy import PrivacyConfig
-from fedhisto.model.zoo import ENCODER_NAMES, ENCODERS
+from fedhisto.registry import Method
+from fedhisto.zoo import ENCODER_NAMES, ENCODERS
 
 
 # ---------------------------------------------------------------------- model
 class EncoderConfig(Strict):
     name: Literal[ENCODER_NAMES] = Field(  # type: ignore[valid-type]
-        "hibou-b", description="an entry of the encoder registry (fedhisto.model.zoo; docs/encoders.md)")
+        "hibou-b", description="an entry of the encoder registry (fedhisto.zoo; docs/encoders.md)")
     repo_id: str = Field("histai/hibou-b", description="hub repository; defaults to the entry's (unused by tiny)")
     revision: str | None = Field(
         "7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c",
@@ -124,8 +125,7 @@ class TrainBase(Strict):
 def _train_config() -> type[TrainBase]:
     """``TrainBase`` plus one field per registered method family, typed by its settings class (read
     from the package's settings schema, so no method module is imported: ``methods.settings``)."""
-    from fedhisto.methods import settings_blocks
-    from fedhisto.methods.settings import block_models
+    from fedhisto.registry import block_models, settings_blocks
 
     blocks = {key: (model, model()) for key, model in block_models(settings_blocks()).items()}
     return create_model("TrainConfig", __base__=TrainBase, __doc__=TrainBase.__doc__, **blocks)
@@ -152,7 +152,7 @@ class Comparison(Strict):
 def _paper_comparisons() -> dict[str, Comparison]:
     pairs = {"v2_vs_fedavg": "fedavg_peft", "v2_vs_fedprox": "fedprox_peft", "v2_vs_filmzero": "film_zero",
              "v2_vs_v1": "past_v1"}
-    from fedhisto.methods import default_comparisons
+    from fedhisto.registry import default_comparisons
 
     # the study's four, then ours: each method registered with a comparison (FedStain, local_only, pooled, ...)
     pairs.update(default_comparisons())
@@ -260,7 +260,7 @@ class Config(Strict):
         return self.trained_seeds(comp.method), self.trained_seeds(comp.reference)
 
     def profile_targets(self) -> PartitionTargets:
-        from fedhisto.synth.profiles import PROFILES
+        from fedhisto.profiles import PROFILES
 
         p = PROFILES[self.cohort.synthetic.profile]
         return PartitionTargets(clients=p.clients, validation=p.validation, test=p.test)
@@ -330,16 +330,16 @@ def json_schema_text() -> str:
 
 
 def settings_schema_text() -> str:
-    """The JSON schema of every registered method settings class (``methods/settings.schema.json``);
+    """The JSON schema of every registered method settings class (``method_settings.schema.json``);
     imports the method modules (and so torch)."""
-    from fedhisto.methods import registration, settings_blocks
-    from fedhisto.methods.settings import settings_schema_text as text
+    from fedhisto.registry import registration, settings_blocks
+    from fedhisto.registry import settings_schema_text as text
 
     owners = {r.config_key: r for r in map(registration, _method_names()) if r.config_key}
     return text({key: owners[key].settings_class() for key in settings_blocks()})
 
 
 def _method_names() -> list[str]:
-    from fedhisto.methods import method_names
+    from fedhisto.registry import method_names
 
     return method_names()

@@ -19,17 +19,6 @@ class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the YAML."""
 
 
-def _registered_method(name: str) -> str:
-    from fedhisto.methods import method_names
-
-    if name not in method_names():
-        raise ValueError(f"unknown method {name!r}; registered: {', '.join(method_names())}")
-    return name
-
-
-Method = Annotated[str, AfterValidator(_registered_method)]
-
-
 def _distinct_seeds(seeds: list[int]) -> list[int]:
     negative = [s for s in seeds if s < 0]
     if negative:

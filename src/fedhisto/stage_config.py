@@ -16,7 +16,7 @@ from typing import Any
 
 from fedhisto.config import Config
 from fedhisto.config_base import identity_dump
-from fedhisto.methods import settings_blocks
+from fedhisto.registry import registration, settings_blocks
 
 #: TrainConfig keys that choose which runs exist rather than how a run trains.
 RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds")
@@ -24,8 +24,6 @@ RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds")
 
 def training_settings(cfg: Config, method: str) -> dict[str, Any]:
     """Engine settings plus the method family's own block; other families' blocks do not matter."""
-    from fedhisto.methods import registration
-
     train = identity_dump(cfg.train)
     for key in (*RUN_LISTS, *(set(settings_blocks()) - {registration(method).config_key})):
         train.pop(key, None)

@@ -6,7 +6,7 @@ from fedhisto.bootstrap import comparison_files
 from fedhisto.config import load_config
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
-from fedhisto.model.zoo import encoder_entry
+from fedhisto.zoo import encoder_entry
 from fedhisto.stage_config import stage_block
 
 
@@ -67,7 +67,7 @@ def all_targets():
     ]
 
 
-# Resource hints come from the encoder's registry entry (fedhisto.model.zoo, torch-free): a
+# Resource hints come from the encoder's registry entry (fedhisto.zoo, torch-free): a
 # foundation model asks for a GPU and hours, the tiny encoder runs on CPU in minutes.
 ENCODER_RESOURCES = encoder_entry(CFG.model.encoder.name).resources
 

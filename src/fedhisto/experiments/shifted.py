@@ -21,7 +21,7 @@ from fedhisto.config_base import identity_dump
 from fedhisto.predict import load_run
 from fedhisto.predictions import PROB_COLUMNS
 from fedhisto.provenance import provenance_block, runtime_block, write_sidecar
-from fedhisto.train.data import load_split
+from fedhisto.splits import load_split
 from fedhisto.train.inference import predict
 from fedhisto.train.stage import descriptors_for
 

@@ -27,7 +27,7 @@ from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, encoder_digest, pick_device
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split, _load
+from fedhisto.splits import Split, _load
 from fedhisto.train.inference import predict
 from fedhisto.train.local import LocalResult, local_train
 from fedhisto.train.loop import ClientUnavailable

@@ -40,7 +40,7 @@ from fedhisto.config import Config
 from fedhisto.fedmath.aggregate import aggregate
 from fedhisto.fedmath.weights import SampleMass
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.views import training_views
 from fedhisto.views_device import device_views
 

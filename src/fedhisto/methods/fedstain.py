@@ -44,7 +44,7 @@ from fedhisto.methods.base import (
     named_rng,
 )
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.views import eval_view, training_views
 
 

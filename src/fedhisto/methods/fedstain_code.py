@@ -33,7 +33,7 @@ from fedhisto.fedmath.fedstain_code import (
 from fedhisto.methods.base import Batch, BatchInputs, LocalRun, Method, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.views import eval_view
 
 #: the code's JS clamps the mixture distribution at 1e-7

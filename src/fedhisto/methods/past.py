@@ -28,7 +28,7 @@ from fedhisto.fedmath.prototypes import (
 from fedhisto.fedmath.weights import Adaptive, SampleMass
 from fedhisto.methods.base import Batch, LocalRun, Method, client_descriptors, zero_descriptors
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
-from fedhisto.train.data import Split, eval_batches
+from fedhisto.splits import Split, eval_batches
 
 
 class PastConfig(Strict):

@@ -9,7 +9,7 @@ encoder, adapters, objective (class-balanced CE on one plain view, as ``fedavg_p
 from __future__ import annotations
 
 from fedhisto.methods.base import GLOBAL, Method
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 
 POOLED = "pooled"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from fedhisto.config import ModelConfig
-from fedhisto.methods import registration
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel, parameter_counts
+from fedhisto.registry import registration
 
 
 def meta_model(encoder: str, method: str, cfg: ModelConfig | None = None) -> FedHistoModel:

@@ -1,4 +1,4 @@
-"""The frozen encoder at run time: any entry of the registry (``fedhisto.model.zoo``).
+"""The frozen encoder at run time: any entry of the registry (``fedhisto.zoo``).
 
 ``FrozenEncoder`` is the one interface the rest of the code uses: ``embed(pixels) -> (B, dim)``
 pooled as the entry says, ``blocks()`` (FedStain restyles after block k), ``dim``, and the full
@@ -20,7 +20,7 @@ from torch import nn
 
 from fedhisto.config import EncoderConfig
 from fedhisto.model.families import FAMILIES, EncoderLoadError
-from fedhisto.model.zoo import ENCODERS, EncoderEntry, encoder_entry
+from fedhisto.zoo import ENCODERS, EncoderEntry, encoder_entry
 
 __all__ = ["ENCODERS", "EncoderLoadError", "FrozenEncoder", "load_encoder", "load_encoder_folder", "random_encoder"]
 

@@ -1,7 +1,7 @@
 """Loader families of the encoder registry: how a ``transformers`` or a ``timm`` backbone is built,
 run, saved, and how its hub checkpoints' key layouts map onto the built module.
 
-Everything model-specific comes from the registry entry (``fedhisto.model.zoo``); a family only
+Everything model-specific comes from the registry entry (``fedhisto.zoo``); a family only
 knows its library. Both import their library lazily: timm (and with it torchvision) is needed only
 when a timm entry is used (``pip install "fedhisto[zoo]"``).
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedhisto.model.zoo import EncoderEntry
+from fedhisto.zoo import EncoderEntry
 
 
 class EncoderLoadError(RuntimeError):

@@ -15,7 +15,7 @@ import torch
 from fedhisto.config import Config
 from fedhisto.methods.base import Method
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.train.plan import (
     LocalResult,
     LossMeans,

@@ -17,7 +17,7 @@ from fedhisto.config import Config
 from fedhisto.evaluation import macro_f1 as macro_f1_of
 from fedhisto.methods.base import GLOBAL, Method, named_rng
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.train.inference import predict
 from fedhisto.train.local import LocalResult, local_train
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, State

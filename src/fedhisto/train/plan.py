@@ -19,7 +19,7 @@ from fedhisto.config import Config
 from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods.base import Batch, LocalRun, LocalSchedule, Method, named_rng
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 
 
 @dataclass

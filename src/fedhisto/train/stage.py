@@ -27,8 +27,8 @@ from fedhisto.methods.base import Method
 from fedhisto.model.build import build_model, descriptor_digest, encoder_digest, pick_device
 from fedhisto.predictions import PROB_COLUMNS
 from fedhisto.provenance import config_hash, provenance_block, runtime_block
+from fedhisto.splits import load_partitions
 from fedhisto.stage_config import stage_block
-from fedhisto.train.data import load_partitions
 from fedhisto.train.inference import predict
 from fedhisto.train.loop import (
     ClientFailure,
