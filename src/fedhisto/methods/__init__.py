@@ -45,6 +45,9 @@ register("fedstain", "fedhisto.methods.fedstain:FedStain", "fedstain", settings=
 # FedStain as its authors' public code runs it (pixel-level statistics and shift, three views).
 register("fedstain_code", "fedhisto.methods.fedstain_code:FedStainCode", "fedstain_code",
          settings="fedhisto.methods.fedstain_code:FedStainCodeConfig", comparison="v2_vs_fedstain_code")
+# SCAFFOLD (Karimireddy et al. 2020, option II) on fedavg_peft's model: control variates correct client drift.
+register("scaffold", "fedhisto.methods.scaffold:Scaffold", "scaffold", settings="fedhisto.methods.scaffold:ScaffoldConfig",
+         comparison="v2_vs_scaffold")
 # References every federated method is measured against (FLamby reports both).
 register("local_only", "fedhisto.methods.local_only:LocalOnly", comparison="v2_vs_local")  # does federation help?
 register("pooled", "fedhisto.methods.pooled:Pooled", comparison="v2_vs_pooled")  # the centralised reference
