@@ -85,11 +85,24 @@ def assert_same_states(a: Path, b: Path) -> None:
         assert sa.keys() == sb.keys()
         for name in sa:
             assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), f"{key}/{name} differs"
-    if ca["server_state"] is None:
-        assert cb["server_state"] is None
-    else:
-        assert all(torch.equal(ca["server_state"][k], cb["server_state"][k]) for k in ca["server_state"])
+    assert_same_value(ca["server_state"], cb["server_state"], "server_state")
     assert [h["val_macro_f1"] for h in ca["history"]] == [h["val_macro_f1"] for h in cb["history"]]
+
+
+def assert_same_value(a, b, where: str) -> None:
+    """Bitwise equality of a server state of any shape: None, tensors, numbers, (nested) dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            assert_same_value(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_value(x, y, f"{where}/{i}")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def test_records_round_trip_every_hook_value_exactly():
