@@ -178,6 +178,20 @@ def test_flower_message_path_equals_in_process_engine_bitwise(prepared: dict, tm
     assert json.loads((tmp_path / "flower/status.json").read_text())["status"] == "finalised"
 
 
+def test_a_pre_upload_variant_of_a_method_travels_the_message_path_bitwise(prepared: dict, tmp_path: Path):
+    """SCAFFOLD's ``variates: start_gradient`` uploads gradients before training (the pre-upload hook of
+    a non-default setting, which the registry-wide test above does not reach)."""
+    import yaml
+
+    doc = yaml.safe_load(Path(prepared["config"]).read_text())
+    doc.setdefault("train", {})["scaffold"] = {"variates": "start_gradient"}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    variant = {**prepared, "config": config}
+    assert_same_states(in_process(variant, "scaffold", tmp_path / "inproc"),
+                       local_flower(variant, "scaffold", tmp_path / "flower"))
+
+
 def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp_path: Path):
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange

@@ -4,13 +4,15 @@ variates, resume after a kill, and its Table 8 row."""
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import train
-from test_batched import ATOL, round_inputs
+from test_batched import ATOL, round_inputs, split
 
 from fedhisto.config import load_config
 from fedhisto.methods import build_method
@@ -173,3 +175,58 @@ def test_table8_counts_two_state_copies_of_variates_per_client_and_round():
     assert float(row["per_round_mib"]) == pytest.approx(2 * float(fedavg["per_round_mib"]), abs=2e-6)
     assert row["overhead_vs_fedavg_pct"] == "100.000000"
     assert rows["past_v2"]["other_extra_per_round_mib"] == "0.000000" and rows["past_v2"]["other_extra_kinds"] == ""
+
+
+# ---------------------------------------------------------------- variates: start_gradient [ours]
+def test_start_gradient_payload_is_the_mean_gradient_minus_the_own_by_hand():
+    """g_1 = (1, -2), g_2 = (3, 0): c = (2, -1); C1 receives c - g_1 = (1, 1), C2 receives (-1, -1)."""
+    method = scaffold(variates="start_gradient")
+    assert method.pre_uploads
+    payloads = method.configure_train(0, None, {"C1": {"p": t(1.0, -2.0)}, "C2": {"p": t(3.0, 0.0)}})
+    torch.testing.assert_close(payloads["C1"]["correction"]["p"], t(1.0, 1.0), rtol=0, atol=F64)
+    torch.testing.assert_close(payloads["C2"]["correction"]["p"], t(-1.0, -1.0), rtol=0, atol=F64)
+    x = {"p": t(1.0, 2.0)}
+    update = RoundUpdate(0, {"C1": x, "C2": x}, {"C1": x, "C2": x}, {"C1": 1, "C2": 1}, {"C1": 1, "C2": 1},
+                         {"C1": 0.5, "C2": 0.5}, None)
+    assert method.aggregate_train(update, SimpleNamespace(lora_scaling=1.0))[1] is None  # nothing kept
+
+
+def test_start_gradient_is_the_full_data_gradient_of_the_balanced_ce():
+    """Against one forward of every image at once (the hook goes through evaluation batches of 32)."""
+    from fedhisto.fedmath.losses import class_balanced_weights
+    from fedhisto.methods.base import balanced_cross_entropy
+    from fedhisto.methods.scaffold import start_gradient
+    from fedhisto.train.data import eval_batches
+
+    cfg, _, model, device, jobs = round_inputs("scaffold")
+    data = split(70, 4)  # three evaluation batches of 32, 32, 6
+    model.load_trainable_state(jobs[0].start_state)
+    got = start_gradient(model, data, cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(
+        update={"eval_batch": 32})}), device)
+    x, y = next(eval_batches(data, cfg.views, 1000))
+    model.eval()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    w = class_balanced_weights(data.class_counts(), cfg.train.cb_beta, cfg.train.cb_cap)
+    grads = torch.autograd.grad(balanced_cross_entropy(model(x, None)[0].float(), y, w), list(params.values()))
+    assert set(got) == set(params)
+    for (name, _), g in zip(params.items(), grads, strict=True):
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-7)  # float32 sums in another order
+    assert all(p.grad is None for p in params.values())
+    assert any(float(g.abs().max()) > 0 for g in got.values())
+
+
+def test_a_killed_start_gradient_run_resumes_to_the_identical_state(prepared: dict, tmp_path: Path):
+    base = prepared["cfg"]
+    train_cfg = base.train.model_copy(update={"max_rounds": 2, "scaffold": base.train.scaffold.model_copy(
+        update={"variates": "start_gradient"})})
+    cfg = base.model_copy(update={"train": train_cfg})
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    assert train(prepared, "scaffold", reference, cfg=cfg)["rounds"] == 2
+    with pytest.raises(KeyboardInterrupt):
+        train(prepared, "scaffold", stopped, cfg=cfg, stop_after_round=1)
+    assert train(prepared, "scaffold", stopped, cfg=cfg)["resumed_at_rounds"] == [1]
+    a, b = (torch.load(p / "checkpoint.pt", map_location="cpu", weights_only=False) for p in (reference, stopped))
+    assert all(torch.equal(a["members"][GLOBAL][k], b["members"][GLOBAL][k]) for k in a["members"][GLOBAL])
+    with (reference / "history.csv").open() as fh:
+        losses = [json.loads(r["losses"]) for r in csv.DictReader(fh)]
+    assert all(terms["scaffold"] != 0 for row in losses for terms in row.values())  # corrected from round 1
