@@ -110,8 +110,9 @@ class FedAdam(Method):
         out: State = {}
 
         def step(key: str, delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            m0 = m_all.get(key, torch.zeros_like(delta))
-            v0 = v_all.get(key, torch.full_like(delta, p.tau ** 2))
+            # a resumed checkpoint holds the moments on the host; the states may be on the device
+            m0 = m_all[key].to(delta.device) if key in m_all else torch.zeros_like(delta)
+            v0 = v_all[key].to(delta.device) if key in v_all else torch.full_like(delta, p.tau ** 2)
             change, m, v = server_step(delta, m0, v0, p)
             m_all[key], v_all[key] = m.to(dtype), v.to(dtype)
             return change

@@ -206,8 +206,9 @@ class Scaffold(Method):
         if self.pre_uploads:  # start_gradient: variates are recomputed every round, nothing to keep
             return members, None
         state = update.server_state or {}
-        c = state.get("c") or _zeros_like(start)
-        clients = dict(state.get("clients", {}))
+        device = next(iter(start.values())).device  # a resumed checkpoint holds the variates on the host
+        c = {k: v.to(device) for k, v in state["c"].items()} if state.get("c") else _zeros_like(start)
+        clients = {n: {k: v.to(device) for k, v in ci.items()} for n, ci in state.get("clients", {}).items()}
         lr = self.local_schedule(update.round_idx).lr
         old, new = {}, {}
         for n in returned:
