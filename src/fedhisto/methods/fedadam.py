@@ -27,9 +27,11 @@ FedAdam differs from fedavg_peft only on the server.
 
 Server memory: m and v are dense for every LoRA pair. With HIBOU-B and the study's targets (query,
 key, value, attention output in 12 blocks: 48 pairs of 768 x 768) they hold 2 x 48 x 768^2 =
-56,623,104 float32 values, 216 MiB (the exchanged trainable state is 3.77 MiB); the checkpoint keeps
-the latest and the best server state, so up to 432 MiB more per run on disk. Per round the server
-forms 48 dense 768 x 768 products and SVDs in float64. No extra traffic: clients exchange only the model.
+56,623,104 float32 values, 216 MiB (219 MiB with the adapter's and classifier's moments; the exchanged
+trainable state is 3.77 MiB); the checkpoint keeps the latest and the best server state, so up to
+438 MiB more per run on disk. Per round the server forms 48 dense 768 x 768 products and SVDs in
+float64: 18 s on one CPU thread against 0.1 s for delta-SVD (5 clients, measured). No extra
+traffic: clients exchange only the model.
 """
 
 from __future__ import annotations
