@@ -85,11 +85,24 @@ def assert_same_states(a: Path, b: Path) -> None:
         assert sa.keys() == sb.keys()
         for name in sa:
             assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), f"{key}/{name} differs"
-    if ca["server_state"] is None:
-        assert cb["server_state"] is None
-    else:
-        assert all(torch.equal(ca["server_state"][k], cb["server_state"][k]) for k in ca["server_state"])
+    assert_same_value(ca["server_state"], cb["server_state"], "server_state")
     assert [h["val_macro_f1"] for h in ca["history"]] == [h["val_macro_f1"] for h in cb["history"]]
+
+
+def assert_same_value(a, b, where: str) -> None:
+    """Bitwise equality of a server state of any shape: None, tensors, numbers, (nested) dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            assert_same_value(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_value(x, y, f"{where}/{i}")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def test_records_round_trip_every_hook_value_exactly():
@@ -163,6 +176,20 @@ def test_flower_message_path_equals_in_process_engine_bitwise(prepared: dict, tm
     assert (tmp_path / "inproc/validation_predictions.csv").read_text() == \
         (tmp_path / "flower/validation_predictions.csv").read_text()
     assert json.loads((tmp_path / "flower/status.json").read_text())["status"] == "finalised"
+
+
+def test_a_pre_upload_variant_of_a_method_travels_the_message_path_bitwise(prepared: dict, tmp_path: Path):
+    """SCAFFOLD's ``variates: start_gradient`` uploads gradients before training (the pre-upload hook of
+    a non-default setting, which the registry-wide test above does not reach)."""
+    import yaml
+
+    doc = yaml.safe_load(Path(prepared["config"]).read_text())
+    doc.setdefault("train", {})["scaffold"] = {"variates": "start_gradient"}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    variant = {**prepared, "config": config}
+    assert_same_states(in_process(variant, "scaffold", tmp_path / "inproc"),
+                       local_flower(variant, "scaffold", tmp_path / "flower"))
 
 
 def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp_path: Path):
