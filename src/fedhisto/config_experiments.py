@@ -16,6 +16,34 @@ ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
 FamilyPolicy = Literal["ignore_families", "representatives", "whole_families"]
 
 
+TINY_ENCODERS = ("stain_invariant", "plain")
+
+
+class EncoderEntry(Strict):
+    """Another frozen encoder crossed with the shift severities: its condition retrains every principal
+    method with ``model.encoder`` set to this entry (name, local folder or pinned hub revision) and, where
+    given, its input size and normalisation. ``label`` names the condition's folder
+    (``results/experiments/dose_response/<label>/``)."""
+
+    label: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$", description="condition folder name")
+    name: str = Field(description="an encoder name model.encoder.name accepts")
+    local_dir: str | None = Field(None, description="load from this folder instead of the hub")
+    repo_id: str | None = Field(None, description="hub repository (default: model.encoder's)")
+    revision: str | None = Field(None, description="pinned hub revision (default: model.encoder's)")
+    crop_size: int | None = Field(None, ge=8, description="input size (default: views.crop_size)")
+    mean: tuple[float, float, float] | None = Field(None, description="normalisation mean (default: views.mean)")
+    std: tuple[float, float, float] | None = Field(None, description="normalisation std (default: views.std)")
+
+    @model_validator(mode="after")
+    def _known(self) -> EncoderEntry:
+        from fedhisto.config import EncoderConfig  # config imports this module; resolved at validation time
+
+        if self.label in TINY_ENCODERS:
+            raise ValueError(f"label {self.label!r} is the name of a built-in condition; pick another")
+        EncoderConfig(name=self.name, local_dir=self.local_dir)  # an unknown name fails with the allowed ones
+        return self
+
+
 class DoseResponseConfig(Strict):
     """External cohort rendered at several stain/scanner shift severities, crossed with the tiny
     encoder's stain invariance (pretrained with or without stain-perturbed views)."""
@@ -25,15 +53,33 @@ class DoseResponseConfig(Strict):
     anchor_site: Literal["site1", "site2", "site3", "site4", "site5"] = "site1"
     images_per_class: int = Field(60, ge=5, description="per severity; the same tissue at every severity")
     seed: int = Field(4242, description="tissue seed of the shifted cohort (never the cohort's or the pool's)")
-    encoders: list[Literal["stain_invariant", "plain"]] = Field(
+    encoders: list[Literal["stain_invariant", "plain"] | EncoderEntry] = Field(
         default_factory=lambda: ["stain_invariant", "plain"], min_length=1,
-        description="stain_invariant: the pipeline's encoder; plain: pretrained without stain-perturbed views")
+        description="stain_invariant: the pipeline's encoder; plain: pretrained without stain-perturbed views; "
+                    "{label, name, local_dir, ...}: any other encoder (all methods retrained on it)")
 
     @model_validator(mode="after")
     def _ordered(self) -> DoseResponseConfig:
         if sorted(set(self.severities)) != list(self.severities) or min(self.severities) < 0:
             raise ValueError(f"severities must be distinct, ascending and >= 0 (got {self.severities})")
+        labels = self.labels()
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"experiments.dose_response.encoders: labels must be distinct (got {labels})")
         return self
+
+    def labels(self) -> list[str]:
+        """Condition names in order: the built-in ones as given, an entry by its label."""
+        return [e if isinstance(e, str) else e.label for e in self.encoders]
+
+    def entry(self, label: str) -> EncoderEntry | None:
+        """The entry of a condition (None for the built-in tiny conditions)."""
+        return next((e for e in self.encoders if not isinstance(e, str) and e.label == label), None)
+
+
+class ProbeConfig(Strict):
+    """Stain-sensitivity probe of each dose-response encoder on the shifted cohort's tissues."""
+
+    seed: int = Field(5151, description="seed of the two stain draws per image")
 
 
 class LeakageConfig(Strict):
@@ -77,6 +123,7 @@ class ExperimentsConfig(Strict):
     leakage: LeakageConfig = LeakageConfig()
     leave_one_site_out: LeaveOneSiteOutConfig = LeaveOneSiteOutConfig()
     calibration: CalibrationConfig = CalibrationConfig()
+    probe: ProbeConfig = ProbeConfig()
 
     @model_validator(mode="after")
     def _principal(self) -> ExperimentsConfig:
