@@ -20,7 +20,8 @@ if "snakemake" in globals():
         from fedhisto.experiments.layout import plain_encoder_config
         from fedhisto.pretrain import run_pretrain
 
-        run_pretrain(plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads)
+        run_pretrain(plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads,
+                     manifest_csv=smk.input.get("manifest"))
     elif rule == "build_condition_manifest":
         from fedhisto.experiments.conditions import leave_one_site_out_manifest, policy_manifest
 

@@ -38,6 +38,8 @@ rule render_shifted_cohort:
 
 
 rule pretrain_plain_encoder:
+    input:
+        unpack(pretrain_inputs),
     output:
         encoder=directory(X.PLAIN_ENCODER),
     log:

@@ -1,8 +1,17 @@
 # Stage pretrain: features for the tiny encoder from a disjoint synthetic pool (only when
-# model.pretrain.enabled; HIBOU-B arrives pretrained and is never retrained).
+# model.pretrain.enabled; HIBOU-B arrives pretrained and is never retrained), or self-supervised on the
+# clients' optimisation images (model.pretrain.objective: self_supervised; then it reads the manifest).
+
+
+def pretrain_inputs(wildcards):
+    """The manifest, only when the tiny encoder is pretrained on the clients' optimisation images."""
+    ssl = CFG.model.pretrain.objective == "self_supervised"
+    return {"manifest": "results/manifest/manifest.csv"} if ssl else {}
 
 
 rule pretrain_encoder:
+    input:
+        unpack(pretrain_inputs),
     output:
         encoder=directory("results/pretrain/encoder"),
     log:
