@@ -93,6 +93,11 @@ def test_known_embeddings_give_known_measures():
     assert independent["ratio"]["estimate"] == pytest.approx(1.0, abs=0.1)  # a redraw is as far as another tissue
     assert independent["ratio"]["ci_low"] < 1.0 < independent["ratio"]["ci_high"]
     assert independent["chance_retrieval"] == pytest.approx(1 / 40)
+    # partial retrieval: the interval brackets the estimate (the gallery is never shrunk by resampling, which
+    # would make every replicate easier than the full set and push the interval above the estimate)
+    noisy = pair_sensitivity(emb, emb + rng.normal(scale=1.2, size=emb.shape), resamples=400, seed=0)
+    assert 0.2 < noisy["retrieval_top1"]["estimate"] < 0.9
+    assert noisy["retrieval_top1"]["ci_low"] < noisy["retrieval_top1"]["estimate"] < noisy["retrieval_top1"]["ci_high"]
 
 
 def test_resampled_measures_equal_a_brute_force_recomputation_on_the_drawn_images():
@@ -102,17 +107,21 @@ def test_resampled_measures_equal_a_brute_force_recomputation_on_the_drawn_image
     b[4] = a[4]
     dist = 1 - (a / np.linalg.norm(a, axis=1, keepdims=True)) @ (b / np.linalg.norm(b, axis=1, keepdims=True)).T
     w = resample_weights(np.random.default_rng(2), 9, 5)
-    got = _measures(dist, w)
+    labels = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    got = _measures(dist, w, labels)
     for r in range(5):
         idx = np.repeat(np.arange(9), w[r].astype(int))  # the resample's images, duplicates included
-        present = np.unique(idx)
         within = np.mean([dist[i, i] for i in idx])
-        pairs = [dist[i, j] for p, i in enumerate(idx) for q, j in enumerate(idx) if i != j]
-        hits = [np.mean([present[np.argmin(d[i, present])] == i for i in idx]) for d in (dist, dist.T)]
+        pairs = [dist[i, j] for i in idx for j in idx if i != j]
+        # retrieval: each drawn query against the full gallery of 9 (a shrunk gallery would bias it upwards)
+        hits = [np.mean([np.argmin(d[i]) == i for i in idx]) for d in (dist, dist.T)]
         assert got["within"][r] == pytest.approx(within)
         assert got["between"][r] == pytest.approx(np.mean(pairs))
         assert got["ratio"][r] == pytest.approx(within / np.mean(pairs))
         assert got["retrieval_top1"][r] == pytest.approx(np.mean(hits))
+        same = [dist[i, j] for i in idx for j in idx if i != j and labels[i] == labels[j]]
+        assert got["between_same_class"][r] == pytest.approx(np.mean(same) if same else np.nan, nan_ok=True)
+        assert got["ratio_same_class"][r] == pytest.approx(within / np.mean(same) if same else np.nan, nan_ok=True)
 
 
 def test_pair_sensitivity_refuses_what_it_cannot_measure():
@@ -130,7 +139,8 @@ def test_image_list_reads_folders_and_csvs_and_names_bad_input(tmp_path: Path):
     for name in ("b.png", "sub/a.jpg", "c.png"):
         Image.new("RGB", (8, 8), "white").save(folder / name)
     (folder / "notes.txt").write_text("not an image")
-    assert [sid for sid, _ in image_list(folder)] == ["b.png", "c.png", "sub/a.jpg"]
+    assert [(sid, label) for sid, _, label in image_list(folder)] == [("b.png", None), ("c.png", None),
+                                                                       ("sub/a.jpg", None)]
     assert len(image_list(folder, limit=3)) == 3
     rows = [{"sample_id": f"s{k}", "path": str(folder / "b.png"), "split": "optimisation" if k < 3 else "test"}
             for k in range(5)]
@@ -139,7 +149,7 @@ def test_image_list_reads_folders_and_csvs_and_names_bad_input(tmp_path: Path):
         writer = csv.DictWriter(fh, ["sample_id", "path", "split"])
         writer.writeheader()
         writer.writerows(rows)
-    assert [sid for sid, _ in image_list(manifest, split="optimisation")] == ["s0", "s1", "s2"]
+    assert [sid for sid, *_ in image_list(manifest, split="optimisation")] == ["s0", "s1", "s2"]
     with pytest.raises(ProbeError, match="1 image"):
         image_list(manifest, split="optimisation", limit=1)
     with pytest.raises(ProbeError, match="split applies to a manifest"):

@@ -79,8 +79,8 @@ def _cmd_probe_encoder(args: argparse.Namespace) -> int:
     summary = run_probe(cfg, args.images, args.out, encoder_dir=args.encoder_dir, split=args.split, limit=args.limit,
                         seed=args.seed, resamples=args.resamples or x.resamples, bootstrap_seed=x.bootstrap_seed,
                         threads=args.threads)
-    print(json.dumps({k: summary[k] for k in ("encoder", "images", "chance_retrieval", "within", "between", "ratio",
-                                              "retrieval_top1")}, indent=2))
+    keys = ("encoder", "images", "chance_retrieval", "within", "between", "ratio", "ratio_same_class", "retrieval_top1")
+    print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
     return 0
 
 

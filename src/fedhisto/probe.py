@@ -12,7 +12,11 @@ views are reproducible. Measures, over the images' pooled embeddings:
 - ``ratio`` = within / between: 0 for an encoder that ignores colour, about 1 when a stain change
   moves an embedding as far as a change of tissue;
 - ``retrieval_top1``: nearest-neighbour retrieval of the same tissue across the two draws (A to B
-  and B to A, averaged): 1.0 when the stain never hides which tissue it is, 1/n by chance.
+  and B to A, averaged) among all n tissues: 1.0 when the stain never hides which tissue it is,
+  1/n by chance;
+- with class labels, ``between_same_class`` and ``ratio_same_class``: the same against the mean
+  distance between different tissues of one class (a stain change vs the differences a classifier
+  trained on one class's variety sees within a class).
 
 Every measure comes with a 95 % percentile bootstrap interval over images
 (:func:`fedhisto.bootstrap.resample_weights` multiplicities, :func:`fedhisto.experiments.stats.interval`).
@@ -90,27 +94,42 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / norm
 
 
-def _measures(dist: np.ndarray, w: np.ndarray) -> dict[str, np.ndarray]:
-    """Measures of each resample: ``w`` is B x n image multiplicities (a row of ones: the images as given)."""
-    n = dist.shape[0]
+def _hits(dist: np.ndarray) -> np.ndarray:
+    """Per tissue, the mean of its two retrieval hits (A to B, B to A) against the full gallery; a tie
+    with the true partner goes to the lower index."""
+    n = len(dist)
+    return ((dist.argmin(1) == np.arange(n)).astype(float) + (dist.argmin(0) == np.arange(n))) / 2
+
+
+def _measures(dist: np.ndarray, w: np.ndarray, labels: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Measures of each resample: ``w`` is B x n image multiplicities (a row of ones: the images as given).
+
+    Distances are averaged over the resampled tissues and pairs of different tissues. Retrieval is
+    each resampled query's hit against the FULL gallery of n tissues: a gallery shrunk to a
+    resample's distinct images (about 63 %) would hold fewer distractors and bias every replicate
+    upwards, so only the queries are resampled. ``labels``: also the ratio to the mean distance
+    between different tissues of the same class (stain vs the differences a classifier must keep)."""
     diag = np.diag(dist)
     within = w @ diag / w.sum(1)
     pair_w = w.sum(1) ** 2 - (w ** 2).sum(1)  # ordered pairs of different tissues
     between = (np.einsum("bi,ij,bj->b", w, dist, w) - (w ** 2) @ diag) / pair_w
-    hits = np.zeros(len(w))
-    for d in (dist, dist.T):  # A -> B and B -> A
-        for start in range(0, len(w), 64):
-            wc = w[start:start + 64]
-            masked = np.where(wc[:, None, :] > 0, d[None], np.inf)  # only images drawn into the resample
-            nearest = masked.argmin(2)  # B x n; a tie with the true partner goes to the lower index
-            correct = nearest == np.arange(n)[None]
-            hits[start:start + 64] += (wc * correct).sum(1) / wc.sum(1) / 2
-    return {"within": within, "between": between, "ratio": within / between, "retrieval_top1": hits}
+    out = {"within": within, "between": between, "ratio": within / between,
+           "retrieval_top1": w @ _hits(dist) / w.sum(1)}
+    if labels is not None:
+        same = (labels[:, None] == labels[None, :]).astype(float)
+        np.fill_diagonal(same, 0.0)
+        same_w = np.einsum("bi,ij,bj->b", w, same, w)
+        with np.errstate(invalid="ignore", divide="ignore"):  # a resample without two tissues of one class: NaN
+            between_same = np.einsum("bi,ij,bj->b", w, dist * same, w) / same_w
+        out.update(between_same_class=between_same, ratio_same_class=within / between_same)
+    return out
 
 
-def pair_sensitivity(emb_a: np.ndarray, emb_b: np.ndarray, resamples: int, seed: int) -> dict:
+def pair_sensitivity(emb_a: np.ndarray, emb_b: np.ndarray, resamples: int, seed: int,
+                     labels: Sequence | None = None) -> dict:
     """Probe measures of two renderings of the same n tissues (row i of both is tissue i), each with
-    its bootstrap interval; ``per_image``: each tissue's own distance and retrieval hits."""
+    its bootstrap interval; ``per_image``: each tissue's own distance and retrieval hits. With
+    ``labels`` (one class per tissue) also ``between_same_class`` and ``ratio_same_class``."""
     if emb_a.shape != emb_b.shape or emb_a.ndim != 2:
         raise ProbeError(f"embeddings must be two n x d arrays of one shape (got {emb_a.shape} and {emb_b.shape})")
     n = len(emb_a)
@@ -118,20 +137,24 @@ def pair_sensitivity(emb_a: np.ndarray, emb_b: np.ndarray, resamples: int, seed:
         raise ProbeError(f"the probe needs at least 3 images (got {n}): 'between' compares different tissues")
     dist = 1.0 - _unit(emb_a) @ _unit(emb_b).T
     w = np.vstack([np.ones((1, n)), resample_weights(np.random.default_rng(seed), n, resamples)])
-    reps = _measures(dist, w)
+    y = None if labels is None else np.asarray(labels)
+    if y is not None and (len(y) != n or not any(np.sum(y == c) > 1 for c in set(y.tolist()))):
+        raise ProbeError(f"labels: need one per tissue ({len(y)} for {n}) and two tissues of some class")
+    reps = _measures(dist, w, y)
     off = dist + np.diag(np.full(n, np.inf))
     per_image = {"within": np.diag(dist), "hit_a_to_b": dist.argmin(1) == np.arange(n),
                  "hit_b_to_a": dist.argmin(0) == np.arange(n), "nearest_other": np.minimum(off.min(1), off.min(0))}
     return {"images": n, "resamples": resamples, "chance_retrieval": 1.0 / n,
-            **{k: interval(reps[k]) for k in MEASURES}, "per_image": per_image}
+            **{k: interval(v) for k, v in reps.items()}, "per_image": per_image}
 
 
 def stain_sensitivity(encoder: torch.nn.Module, images: Sequence[tuple[str, np.ndarray]], cfg: ViewsConfig,
-                      seed: int, resamples: int, bootstrap_seed: int, batch: int = 64) -> dict:
+                      seed: int, resamples: int, bootstrap_seed: int, batch: int = 64,
+                      labels: Sequence | None = None) -> dict:
     """The probe on ``images`` ((sample id, RGB uint8)): two seeded stain draws per image."""
     pairs = [stain_pair(rgb, cfg, seed, sid) for sid, rgb in images]
     emb_a, emb_b = embed(encoder, [a for a, _ in pairs], batch), embed(encoder, [b for _, b in pairs], batch)
-    return pair_sensitivity(emb_a, emb_b, resamples, bootstrap_seed)
+    return pair_sensitivity(emb_a, emb_b, resamples, bootstrap_seed, labels)
 
 
 def per_image_rows(ids: Sequence[str], result: dict, **extra: object) -> list[dict]:
@@ -146,13 +169,14 @@ def summary_of(result: dict) -> dict:
     return {k: v for k, v in result.items() if k != "per_image"}
 
 
-def image_list(source: str | Path, split: str | None = None, limit: int | None = None) -> list[tuple[str, str]]:
-    """(sample id, path) of a folder's images (recursive; id = relative path) or of a CSV with
-    ``sample_id`` and ``path`` columns (a manifest or the dose-response cohort), optionally one
-    ``split`` only; sorted by id, then the first ``limit``."""
+def image_list(source: str | Path, split: str | None = None,
+               limit: int | None = None) -> list[tuple[str, str, str | None]]:
+    """(sample id, path, label) of a folder's images (recursive; id = relative path; no label) or of a
+    CSV with ``sample_id`` and ``path`` columns (a manifest or the dose-response cohort; its ``label``
+    column when it has one), optionally one ``split`` only; sorted by id, then the first ``limit``."""
     src = Path(source)
     if src.is_dir():
-        found = [(p.relative_to(src).as_posix(), str(p)) for p in sorted(src.rglob("*"))
+        found = [(p.relative_to(src).as_posix(), str(p), None) for p in sorted(src.rglob("*"))
                  if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
         if split:
             raise ProbeError(f"{src}: --split applies to a manifest CSV, not to a folder")
@@ -167,7 +191,7 @@ def image_list(source: str | Path, split: str | None = None, limit: int | None =
             if rows and "split" not in rows[0]:
                 raise ProbeError(f"{src}: --split {split!r} given but the CSV has no 'split' column")
             rows = [r for r in rows if r["split"] == split]
-        found = sorted((r["sample_id"], r["path"]) for r in rows)
+        found = sorted((r["sample_id"], r["path"], r.get("label") or None) for r in rows)
     else:
         raise ProbeError(f"image folder or CSV not found: {src}")
     if limit is not None:
@@ -196,13 +220,15 @@ def run_probe(cfg: Config, images: str | Path, out_dir: str | Path, encoder_dir:
     torch.set_num_threads(max(threads, 1))
     listed = image_list(images, split, limit)
     encoder = load_encoder(cfg.model.encoder, encoder_dir)
-    loaded = [(sid, load_probe_image(path, cfg.views.crop_size)) for sid, path in listed]
-    result = stain_sensitivity(encoder, loaded, cfg.views, seed, resamples, bootstrap_seed, cfg.evaluate.eval_batch)
+    loaded = [(sid, load_probe_image(path, cfg.views.crop_size)) for sid, path, _ in listed]
+    labels = [label for *_, label in listed]
+    result = stain_sensitivity(encoder, loaded, cfg.views, seed, resamples, bootstrap_seed, cfg.evaluate.eval_batch,
+                               labels=labels if all(labels) and len(set(labels)) < len(labels) else None)
     out = Path(out_dir)
     block = {"encoder": cfg.model.encoder.model_dump(mode="json"), "views": cfg.views.model_dump(mode="json"),
              "seed": seed, "resamples": resamples, "bootstrap_seed": bootstrap_seed, "split": split, "limit": limit}
     prov = provenance_block(STAGE, block, {"images": images, **({"encoder": encoder_dir} if encoder_dir else {})})
-    ids = [sid for sid, _ in listed]
+    ids = [sid for sid, *_ in listed]
     write_csv(out / "per_image.csv", per_image_rows(ids, result), PER_IMAGE_COLUMNS)
     write_sidecar(out / "per_image.csv", prov)
     summary = {"encoder": cfg.model.encoder.name, "encoder_dir": encoder_dir or cfg.model.encoder.local_dir,

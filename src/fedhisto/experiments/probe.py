@@ -45,6 +45,7 @@ from fedhisto.probe import (
 from fedhisto.provenance import provenance_block, write_sidecar
 
 STAGE = "experiments"
+PROBE_COLUMNS = ("ratio", "ratio_same_class", "retrieval_top1")
 PER_IMAGE_COLUMNS = ("measure", "severity", "sample_id", "within", "nearest_other", "hit_a_to_b", "hit_b_to_a")
 
 
@@ -78,13 +79,14 @@ def probe_condition(cfg: Config, encoder: str, cohort_csv: str | Path, out_dir: 
     base, ids = severities[0], [r["sample_id"] for r in rows[severities[0]]]
     batch = c.evaluate.eval_batch
     measures, per_image = [], []
+    labels = [r["label"] for r in rows[base]]  # the same tissue has one class at every severity
     paired = stain_sensitivity(model, list(zip(ids, images[base], strict=True)), c.views, x.probe.seed,
-                               x.resamples, x.bootstrap_seed, batch)
+                               x.resamples, x.bootstrap_seed, batch, labels)
     measures.append({"measure": "paired_stain", "severity": base, **summary_of(paired)})
     per_image += per_image_rows(ids, paired, measure="paired_stain", severity=base)
     clean = {s: embed(model, [clean_view(im, c.views) for im in images[s]], batch) for s in severities}
     for s in severities[1:]:
-        shifted = pair_sensitivity(clean[base], clean[s], x.resamples, x.bootstrap_seed)
+        shifted = pair_sensitivity(clean[base], clean[s], x.resamples, x.bootstrap_seed, labels)
         measures.append({"measure": "shift", "severity": s, **summary_of(shifted)})
         per_image += per_image_rows(ids, shifted, measure="shift", severity=s)
     out = Path(out_dir)
@@ -125,7 +127,7 @@ def summarise_probe(probe_jsons: dict[str, str], dose_json: str | Path, cfg: Con
                                  f"severity {gap_s}")
             rows.append({"encoder": encoder, "measure": m["measure"], "severity": m["severity"],
                          "images": m["images"],
-                         **{f"{k}{suffix}": m[k][field] for k in ("ratio", "retrieval_top1")
+                         **{f"{k}{suffix}": m[k][field] for k in PROBE_COLUMNS if k in m
                             for suffix, field in (("", "estimate"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high"))},
                          "gap_severity": gap_s, "gap": gap["difference"], "gap_ci_low": gap["ci_low"],
                          "gap_ci_high": gap["ci_high"]})
