@@ -1,7 +1,7 @@
 """Does self-supervised pretraining give the tiny encoder real-tissue features? A check on real images.
 
 Usage: ``python benchmarks/tiny_encoder_real_check.py --synthetic-encoder results/pretrain/encoder
-[--shared ../shared] [--epochs 20] [--threads 2]``. Skips cleanly without the shared folder; nothing
+[--shared ../shared] [--epochs 100] [--batch 16] [--threads 2]``. Skips cleanly without the shared folder; nothing
 from it is copied (the manifest written to a scratch folder points at the images where they are).
 
 The LC25000 sample (9 augmentation families, 3 per class) is split by family: two families per
@@ -64,7 +64,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", default="../shared")
     ap.add_argument("--synthetic-encoder", required=True, help="the pipeline's results/pretrain/encoder")
-    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--epochs", type=int, default=100, help="about 60 images: 3 steps an epoch at --batch 16")
+    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     shared = Path(args.shared)
@@ -74,7 +75,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     rows = _rows(shared)
     cfg = load_config({"views": {"crop_size": 48}, "model": {"encoder": {"name": "tiny"}, "pretrain": {
-        "enabled": True, "objective": "self_supervised", "epochs": args.epochs, "batch": 32, "lr": 2e-3}}})
+        "enabled": True, "objective": "self_supervised", "epochs": args.epochs, "batch": args.batch, "lr": 2e-3}}})
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "manifest.csv"
         with manifest.open("w", newline="") as fh:
