@@ -1,7 +1,7 @@
 """Does self-supervised pretraining give the tiny encoder real-tissue features? A check on real images.
 
 Usage: ``python benchmarks/tiny_encoder_real_check.py --synthetic-encoder results/pretrain/encoder
-[--shared ../shared] [--epochs 100] [--batch 16] [--threads 2]``. Skips cleanly without the shared folder; nothing
+[--shared ../shared] [--epochs 100] [--batch 16] [--lr 3e-4] [--threads 2]``. Skips cleanly without the shared folder; nothing
 from it is copied (the manifest written to a scratch folder points at the images where they are).
 
 The LC25000 sample (9 augmentation families, 3 per class) is split by family: two families per
@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--synthetic-encoder", required=True, help="the pipeline's results/pretrain/encoder")
     ap.add_argument("--epochs", type=int, default=100, help="about 60 images: 3 steps an epoch at --batch 16")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak of the one-cycle schedule")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     shared = Path(args.shared)
@@ -75,7 +76,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     rows = _rows(shared)
     cfg = load_config({"views": {"crop_size": 48}, "model": {"encoder": {"name": "tiny"}, "pretrain": {
-        "enabled": True, "objective": "self_supervised", "epochs": args.epochs, "batch": args.batch, "lr": 2e-3}}})
+        "enabled": True, "objective": "self_supervised", "epochs": args.epochs, "batch": args.batch, "lr": args.lr}}})
     with tempfile.TemporaryDirectory() as tmp:
         manifest = Path(tmp) / "manifest.csv"
         with manifest.open("w", newline="") as fh:
@@ -86,9 +87,9 @@ def main() -> int:
         report = run_pretrain(cfg, Path(tmp) / "ssl", threads=args.threads, manifest_csv=manifest)
         seconds = time.perf_counter() - start
         torch.manual_seed(0)
-        encoders = {"random": random_encoder("tiny").eval(),
-                    "synthetic_supervised": load_encoder_folder(args.synthetic_encoder, "tiny").eval(),
-                    "self_supervised": load_encoder_folder(Path(tmp) / "ssl", "tiny").eval()}
+        encoders = {"random": random_encoder("tiny"),
+                    "synthetic_supervised": load_encoder_folder(args.synthetic_encoder, "tiny"),
+                    "self_supervised": load_encoder_folder(Path(tmp) / "ssl", "tiny")}
         held = [(r["sample_id"], load_probe_image(r["path"], 48)) for r in rows if r["split"] == "test"]
         print(json.dumps({"self_supervised_pretraining": {**report["self_supervised"], "seconds": round(seconds, 1),
                                                           "first_loss": report["history"][0]["loss"],

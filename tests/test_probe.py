@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -32,23 +31,28 @@ def _tissue_images(n: int, size: int = 32) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-class _MaskEncoder(torch.nn.Module):
+class _MaskEncoder:
     """Ignores colour entirely: the embedding is the tissue mask (grey level below the white background
-    by a margin no stain draw of these images can cross), so both stain draws embed identically."""
+    by a margin no stain draw of these images can cross), so both stain draws embed identically.
+    Offers what the probe uses of a FrozenEncoder: ``module`` and ``embed``."""
 
-    def forward(self, pixel_values: torch.Tensor) -> SimpleNamespace:
+    module = torch.nn.Identity()
+
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         mean = torch.tensor(VIEWS.mean).view(1, 3, 1, 1)
         std = torch.tensor(VIEWS.std).view(1, 3, 1, 1)
         grey = (pixel_values * std + mean).mean(1)
         mask = (grey < 0.6).float().flatten(1)
-        return SimpleNamespace(pooler_output=torch.cat([mask, torch.ones(len(mask), 1)], 1))
+        return torch.cat([mask, torch.ones(len(mask), 1)], 1)
 
 
-class _ColourEncoder(torch.nn.Module):
+class _ColourEncoder:
     """Sees colour only: the image's mean colour (all images share a palette, so tissues look alike)."""
 
-    def forward(self, pixel_values: torch.Tensor) -> SimpleNamespace:
-        return SimpleNamespace(pooler_output=pixel_values.mean((2, 3)) + 3.0)
+    module = torch.nn.Identity()
+
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return pixel_values.mean((2, 3)) + 3.0
 
 
 def test_an_encoder_that_ignores_colour_gives_ratio_zero_and_perfect_retrieval():
@@ -77,7 +81,7 @@ def test_stain_draws_are_seeded_share_geometry_and_differ_in_colour():
     assert not torch.equal(a, b)
     assert tuple(a.shape) == (3, 32, 32)
     # only the stain differs: the tissue mask (dark vs white) is the same in both draws
-    assert torch.equal(_MaskEncoder()(a[None]).pooler_output, _MaskEncoder()(b[None]).pooler_output)
+    assert torch.equal(_MaskEncoder().embed(a[None]), _MaskEncoder().embed(b[None]))
     assert not torch.equal(stain_pair(rgb, VIEWS, 6, "img0")[0], a)
 
 
@@ -171,7 +175,7 @@ def test_probe_command_writes_summary_and_per_image_rows(tmp_path: Path):
     for sid, rgb in _tissue_images(6):
         Image.fromarray(np.kron(rgb, np.ones((2, 2, 1), np.uint8))).save(folder / f"{sid}.png")
     torch.manual_seed(0)
-    random_encoder("tiny").save_pretrained(tmp_path / "enc")
+    random_encoder("tiny").save(tmp_path / "enc")
     config = tmp_path / "c.yaml"
     config.write_text("model:\n  encoder:\n    name: tiny\nviews:\n  crop_size: 48\n")
     rc = main(["probe-encoder", "--images", str(folder), "--out", str(tmp_path / "out"), "--config", str(config),

@@ -13,6 +13,7 @@ from fedhisto.config import load_config
 from fedhisto.experiments import layout as X
 from fedhisto.experiments.probe import probe_condition, summarise_probe
 from fedhisto.model.encoder import random_encoder
+from fedhisto.model.zoo import HIBOU_MEAN, HIBOU_STD, IMAGENET_MEAN, encoder_entry
 from fedhisto.probe import ProbeError
 from fedhisto.stage_config import stage_block
 from fedhisto.synth.severity import run_render_shift
@@ -20,15 +21,14 @@ from fedhisto.synth.severity import run_render_shift
 SMALL = {"cohort": {"synthetic": {"external_image_size": 64}}, "views": {"crop_size": 32},
          "model": {"encoder": {"name": "tiny"}},
          "experiments": {"resamples": 100, "dose_response": {"images_per_class": 5, "severities": [0.0, 1.0, 2.0]}}}
-ENTRY = {"label": "hibou", "name": "hibou-b", "local_dir": "/data/hibou-b", "crop_size": 224,
-         "mean": [0.7068, 0.5755, 0.722], "std": [0.195, 0.2316, 0.1816]}
+ENTRY = {"label": "hibou", "name": "hibou-b", "local_dir": "/data/hibou-b", "normalisation": "encoder"}
 
 
 def test_probe_condition_measures_paired_stain_and_every_shift_on_the_same_tissues(tmp_path: Path):
     cfg = load_config(SMALL)
     run_render_shift(cfg, tmp_path / "cohort")
     torch.manual_seed(1)
-    random_encoder("tiny").save_pretrained(tmp_path / "enc")
+    random_encoder("tiny").save(tmp_path / "enc")
     got = probe_condition(cfg, "stain_invariant", tmp_path / "cohort/cohort.csv", tmp_path / "probe",
                           encoder_dir=str(tmp_path / "enc"))
     assert got["tissues"] == 15
@@ -104,7 +104,13 @@ def test_an_encoder_entry_is_its_own_condition_with_its_encoder_and_views():
     assert cfg.experiments.dose_response.labels() == ["stain_invariant", "hibou"]
     c = X.condition_config(cfg, "dose_response/hibou")
     assert (c.model.encoder.name, c.model.encoder.local_dir) == ("hibou-b", "/data/hibou-b")
-    assert c.model.pretrain.enabled is False and c.views.crop_size == 224 and c.views.mean == (0.7068, 0.5755, 0.722)
+    # the registry entry's input size and (normalisation: encoder) its own statistics
+    assert c.model.pretrain.enabled is False and c.views.crop_size == 224 and c.views.mean == HIBOU_MEAN
+    assert c.views.std == HIBOU_STD and c.views.normalisation == "encoder"
+    assert c.model.encoder.revision == encoder_entry("hibou-b").revision  # the registry's pin
+    uni = X.condition_config(load_config({"experiments": {"dose_response": {"encoders": [
+        {"label": "uni", "name": "uni", "local_dir": "/d", "crop_size": 112}]}}}), "dose_response/uni")
+    assert (uni.model.encoder.name, uni.views.crop_size, uni.views.mean) == ("uni", 112, IMAGENET_MEAN)
     assert (cfg.model.encoder.name, cfg.views.crop_size, cfg.model.pretrain.enabled) == ("tiny", 48, True)  # main as given
     assert X.condition_inputs(cfg, "dose_response/hibou")["encoder"] == []  # its weights: the entry's folder
     assert X.condition_inputs(cfg, "dose_response/stain_invariant")["encoder"] == ["results/pretrain/encoder"]
@@ -113,7 +119,8 @@ def test_an_encoder_entry_is_its_own_condition_with_its_encoder_and_views():
     main_block = stage_block(cfg, "train", method="past_v2", seed=11)
     entry_block = stage_block(c, "train", method="past_v2", seed=11)
     assert entry_block["model"]["encoder"]["name"] == "hibou-b" and main_block != entry_block
-    assert X.entry_resources(cfg, "hibou")["gpu"] == 1
+    assert X.entry_resources(cfg, "hibou") == {"mem_mb": encoder_entry("hibou-b").resources.train_mem_mb,
+                                               "runtime": encoder_entry("hibou-b").resources.train_runtime, "gpu": 1}
     assert X.entry_pattern(cfg) == "hibou"
     assert len(X.shifted_predictions(cfg)) == 2 * len(cfg.experiments.methods) * len(cfg.experiments.seeds)
 

@@ -38,9 +38,10 @@ import torch
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.bootstrap import resample_weights
 from fedhisto.config import Config, ViewsConfig
+from fedhisto.config_base import identity_dump
 from fedhisto.experiments.stats import interval
 from fedhisto.imageio import load_rgb
-from fedhisto.model.encoder import load_encoder
+from fedhisto.model.encoder import FrozenEncoder, load_encoder
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.views import eval_view, normalise, stain_perturb, view_rng
 
@@ -55,16 +56,16 @@ class ProbeError(RuntimeError):
     like EncoderLoadError, so the command line reports it as one line."""
 
 
-def frozen_embedding(encoder: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """The frozen encoder's pooled embedding of a batch: the one place the probe reaches into the model
-    (the encoder registry's embedding function replaces this line when it lands)."""
-    return encoder(pixel_values=pixels).pooler_output
+def frozen_embedding(encoder: FrozenEncoder, pixels: torch.Tensor) -> torch.Tensor:
+    """The frozen encoder's pooled embedding of a batch, as its registry entry pools it (CLS, or CLS
+    with the mean patch token): what the PEFT head of every method sees."""
+    return encoder.embed(pixels)
 
 
 @torch.no_grad()
-def embed(encoder: torch.nn.Module, views: Sequence[torch.Tensor], batch: int = 64) -> np.ndarray:
+def embed(encoder: FrozenEncoder, views: Sequence[torch.Tensor], batch: int = 64) -> np.ndarray:
     """n x d float64 embeddings of normalised view tensors, in order."""
-    encoder.eval()
+    encoder.module.eval()
     out = [frozen_embedding(encoder, torch.stack(list(views[i:i + batch]))).double()
            for i in range(0, len(views), batch)]
     return torch.cat(out).numpy()
@@ -148,7 +149,7 @@ def pair_sensitivity(emb_a: np.ndarray, emb_b: np.ndarray, resamples: int, seed:
             **{k: interval(v) for k, v in reps.items()}, "per_image": per_image}
 
 
-def stain_sensitivity(encoder: torch.nn.Module, images: Sequence[tuple[str, np.ndarray]], cfg: ViewsConfig,
+def stain_sensitivity(encoder: FrozenEncoder, images: Sequence[tuple[str, np.ndarray]], cfg: ViewsConfig,
                       seed: int, resamples: int, bootstrap_seed: int, batch: int = 64,
                       labels: Sequence | None = None) -> dict:
     """The probe on ``images`` ((sample id, RGB uint8)): two seeded stain draws per image."""
@@ -225,7 +226,7 @@ def run_probe(cfg: Config, images: str | Path, out_dir: str | Path, encoder_dir:
     result = stain_sensitivity(encoder, loaded, cfg.views, seed, resamples, bootstrap_seed, cfg.evaluate.eval_batch,
                                labels=labels if all(labels) and len(set(labels)) < len(labels) else None)
     out = Path(out_dir)
-    block = {"encoder": cfg.model.encoder.model_dump(mode="json"), "views": cfg.views.model_dump(mode="json"),
+    block = {"encoder": identity_dump(cfg.model.encoder), "views": identity_dump(cfg.views),
              "seed": seed, "resamples": resamples, "bootstrap_seed": bootstrap_seed, "split": split, "limit": limit}
     prov = provenance_block(STAGE, block, {"images": images, **({"encoder": encoder_dir} if encoder_dir else {})})
     ids = [sid for sid, *_ in listed]

@@ -10,6 +10,7 @@ calls it at parse time.
 from __future__ import annotations
 
 from fedhisto.config import Config
+from fedhisto.config_base import identity_dump
 from fedhisto.stage_config import stage_block
 
 ROOT = "results/experiments"
@@ -70,17 +71,20 @@ def entry_pattern(cfg: Config) -> str:
 
 def condition_config(cfg: Config, condition: str) -> Config:
     """The config a condition's runs train and predict with: ``cfg`` itself except for a dose-response
-    encoder entry, whose encoder, input size and normalisation replace the main ones (no pipeline
-    pretraining: an entry's weights come from its folder or the hub)."""
+    encoder entry, whose encoder (no pipeline pretraining: its weights come from its folder or the
+    hub), input size (the registry entry's unless the entry sets ``crop_size``) and normalisation
+    replace the main ones."""
+    from fedhisto.model.zoo import encoder_entry
+
     entry = cfg.experiments.dose_response.entry(condition.split("/", 1)[1]) \
         if condition.startswith("dose_response/") else None
     if entry is None:
         return cfg
-    enc = {k: v for k, v in {"name": entry.name, "local_dir": entry.local_dir, "repo_id": entry.repo_id,
-                             "revision": entry.revision}.items() if v is not None or k == "local_dir"}
-    views = {k: v for k, v in {"crop_size": entry.crop_size, "mean": entry.mean, "std": entry.std}.items()
-             if v is not None}
-    model = cfg.model.model_copy(update={"encoder": cfg.model.encoder.model_copy(update=enc),
+    registry = encoder_entry(entry.name)
+    views = {"crop_size": entry.crop_size or registry.input_size, "normalisation": entry.normalisation}
+    if entry.normalisation == "encoder":
+        views.update(mean=registry.mean, std=registry.std)
+    model = cfg.model.model_copy(update={"encoder": entry.encoder_config(),
                                          "pretrain": cfg.model.pretrain.model_copy(update={"enabled": False})})
     return cfg.model_copy(update={"model": model, "views": cfg.views.model_copy(update=views)})
 
@@ -146,13 +150,14 @@ def condition_manifest_inputs(condition: str) -> dict[str, str]:
 
 
 def entry_resources(cfg: Config, label: str) -> dict[str, int]:
-    """Training resources of an encoder entry's runs: common.smk's tiny and HIBOU-B figures by the entry's
-    name (the encoder registry's resource hints replace this when it lands)."""
+    """Training resources of an encoder entry's runs: its registry entry's hints."""
+    from fedhisto.model.zoo import encoder_entry
+
     entry = cfg.experiments.dose_response.entry(label)
     if entry is None:
         raise ValueError(f"{label!r} is not an experiments.dose_response.encoders entry")
-    tiny = entry.name == "tiny"
-    return {"mem_mb": 3000 if tiny else 24000, "runtime": 30 if tiny else 720, "gpu": 0 if tiny else 1}
+    r = encoder_entry(entry.name).resources
+    return {"mem_mb": r.train_mem_mb, "runtime": r.train_runtime, "gpu": r.gpu}
 
 
 def probe_encoder_inputs(cfg: Config, encoder: str) -> dict[str, str | list[str]]:
@@ -171,7 +176,7 @@ def probe_block(cfg: Config, encoder: str) -> dict:
     c = condition_config(cfg, f"dose_response/{encoder}")
     x = cfg.experiments
     return {"probe": x.probe.model_dump(mode="json"), "severities": x.dose_response.severities,
-            "encoder": c.model.encoder.model_dump(mode="json"), "views": c.views.model_dump(mode="json"),
+            "encoder": identity_dump(c.model.encoder), "views": identity_dump(c.views),
             "resamples": x.resamples, "bootstrap_seed": x.bootstrap_seed, "eval_batch": c.evaluate.eval_batch}
 
 

@@ -29,6 +29,7 @@ import torch
 
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
+from fedhisto.config_base import identity_dump
 from fedhisto.experiments.layout import condition_config
 from fedhisto.figures import legend_outside, plot_bars_with_ci, save_figure
 from fedhisto.model.encoder import load_encoder
@@ -92,8 +93,8 @@ def probe_condition(cfg: Config, encoder: str, cohort_csv: str | Path, out_dir: 
     out = Path(out_dir)
     inputs = {"cohort": cohort_csv, **({"encoder": encoder_dir} if encoder_dir else {})}
     prov = provenance_block(STAGE, {"experiment": "probe", "encoder": encoder, "probe": x.probe.model_dump(mode="json"),
-                                    "model_encoder": c.model.encoder.model_dump(mode="json"),
-                                    "views": c.views.model_dump(mode="json"), "resamples": x.resamples,
+                                    "model_encoder": identity_dump(c.model.encoder),
+                                    "views": identity_dump(c.views), "resamples": x.resamples,
                                     "bootstrap_seed": x.bootstrap_seed}, inputs)
     write_csv(out / "per_image.csv", per_image, PER_IMAGE_COLUMNS)
     write_sidecar(out / "per_image.csv", prov)
