@@ -11,13 +11,6 @@ wildcard_constraints:
     label=X.entry_pattern(CFG),
 
 
-def encoder_gpu(encoder, wildcards):
-    """A dose-response encoder entry asks for its own device; the built-in conditions, the main encoder's."""
-    if CFG.experiments.dose_response.entry(encoder):
-        return X.entry_resources(CFG, encoder)["gpu"]
-    return train_gpu(wildcards)
-
-
 rule render_shifted_cohort:
     output:
         cohort=f"{X.ROOT}/dose_response/cohort/cohort.csv",

@@ -3,12 +3,6 @@
 # clients' optimisation images (model.pretrain.objective: self_supervised; then it reads the manifest).
 
 
-def pretrain_inputs(wildcards):
-    """The manifest, only when the tiny encoder is pretrained on the clients' optimisation images."""
-    ssl = CFG.model.pretrain.objective == "self_supervised"
-    return {"manifest": "results/manifest/manifest.csv"} if ssl else {}
-
-
 rule pretrain_encoder:
     input:
         unpack(pretrain_inputs),
