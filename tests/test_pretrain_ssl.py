@@ -61,6 +61,7 @@ def test_self_supervised_pretraining_reads_only_optimisation_images_and_records_
     assert record["sample_ids_sha256"] == hashlib.sha256(ids.encode()).hexdigest()
     assert "manifest" in report["provenance"]["inputs"] and report["caveats"] == []
     assert len(report["history"]) == 2 and all(np.isfinite(h["loss"]) for h in report["history"])
+    assert record["collapsed"] is (report["history"][-1]["loss"] >= 0.99 * report["history"][-1]["chance_loss"])
     saved = json.loads((tmp_path / "enc/pretrain_report.json").read_text())
     assert saved["objective"] == "self_supervised"
     load_encoder_folder(tmp_path / "enc", "tiny")  # strict round trip

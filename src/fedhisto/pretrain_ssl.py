@@ -8,8 +8,8 @@ own geometry and, unless ``stain_views`` is off, its own stain perturbation (the
 draws, seeded by pool seed, epoch and sample id). Images: the manifest rows whose ``split`` column
 is ``optimisation`` (each client's own training images), never validation, test, holdout or
 external. A manifest without that column is refused; the report records the manifest's digest,
-the images used per client, how many of every other split were left out, and a digest of the
-sample ids used.
+the images used per client, how many of every other split were left out, a digest of the
+sample ids used, and whether the run collapsed (its last loss back at chance; then also a warning).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fedhisto.views import training_views
 
 log = logging.getLogger(__name__)
 ALLOWED_SPLIT = "optimisation"
+COLLAPSE_FRACTION = 0.99  # last-epoch loss at >= 99 % of its chance value log(2 batch - 1): collapsed
 
 
 class PretrainDataError(ValueError):
@@ -112,4 +113,10 @@ def pretrain_self_supervised(encoder: FrozenEncoder, cfg: Config, manifest_csv: 
         history.append({"epoch": epoch + 1, "loss": total / steps_per_epoch,
                         "chance_loss": float(np.log(2 * batch - 1))})
         log.info("self-supervised pretrain epoch %d: %s", epoch + 1, history[-1])
+    # a loss back at its chance value means every view embeds alike (seen at lr 2e-3 on real images)
+    record["collapsed"] = bool(history[-1]["loss"] >= COLLAPSE_FRACTION * history[-1]["chance_loss"])
+    if record["collapsed"]:
+        log.warning("CAVEAT: self-supervised pretraining collapsed (last loss %.3f, chance %.3f): the encoder embeds "
+                    "every view alike; lower model.pretrain.lr (3e-4 learnt where 2e-3 collapsed, "
+                    "docs/tiny_encoder_real_data.md)", history[-1]["loss"], history[-1]["chance_loss"])
     return history, record
