@@ -194,7 +194,7 @@ def test_experiments_run_reuse_main_runs_and_recompute_from_their_predictions(wo
     assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(
         snakemake(snakemake_bin, repo, workdir, "-n", "experiments"))
     root = workdir / "results/experiments"
-    for name in ("dose_response", "leakage", "leave_one_site_out", "calibration"):
+    for name in ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe"):
         doc = json.loads((root / f"{name}/{name}.json").read_text())
         assert doc["provenance"]["stage"] == "experiments" and doc["provenance"]["inputs"]
         assert (root / f"{name}/{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -218,3 +218,16 @@ def test_experiments_run_reuse_main_runs_and_recompute_from_their_predictions(wo
     assert {r["policy"] for r in leak["per_policy"]} == {"ignore_families", "representatives"}
     cal = json.loads((root / "calibration/calibration.json").read_text())
     assert all(0.05 <= r["temperature"] <= 20 for r in cal["per_run"])
+    # experiment 5: each encoder's paired-stain retrieval is the mean of its per-image hits, beside its gap
+    import csv
+
+    probe = json.loads((root / "probe/probe.json").read_text())
+    assert set(probe["ranking"]["probe_order"]) == {"stain_invariant", "plain"}
+    for encoder in ("stain_invariant", "plain"):
+        with (root / f"probe/{encoder}/per_image.csv").open() as fh:
+            hits = [int(r["hit_a_to_b"]) + int(r["hit_b_to_a"]) for r in csv.DictReader(fh)
+                    if r["measure"] == "paired_stain"]
+        row = next(r for r in probe["rows"] if r["encoder"] == encoder and r["measure"] == "paired_stain")
+        assert row["retrieval_top1"] == pytest.approx(sum(hits) / (2 * len(hits)), abs=1e-12)
+        gap = next(d for d in dose["v2_vs_fedavg"] if d["encoder"] == encoder and d["severity"] == 1.0)
+        assert row["gap"] == gap["difference"] and row["images"] == 3 * 5

@@ -75,6 +75,15 @@ class PretrainConfig(Strict):
     stain_views: bool = Field(
         True, json_schema_extra=IF_CHANGED, description="True: pretrain through stain-perturbed views (the pipeline's stain-invariant encoder); "
                           "False: geometry-only views (the 'plain' encoder of the stain-shift dose-response experiment)")
+    objective: Literal["synthetic_supervised", "self_supervised"] = Field(
+        "synthetic_supervised", json_schema_extra=IF_CHANGED,
+        description="[ours] synthetic_supervised: classes of the disjoint synthetic pool; self_supervised: SimCLR on "
+                    "two views of each of the clients' optimisation images (manifest split column; never "
+                    "validation, test, holdout or external), for real cohorts")
+    temperature: float = Field(0.2, gt=0, json_schema_extra=IF_CHANGED,
+                               description="[ours] self_supervised only: NT-Xent temperature")
+    projection_dim: int = Field(64, ge=2, json_schema_extra=IF_CHANGED,
+                                description="[ours] self_supervised only: projection head output")
 
 
 class ModelConfig(Strict):

@@ -4,6 +4,7 @@ from snakemake.utils import validate
 
 from fedhisto.bootstrap import comparison_files
 from fedhisto.config import load_config
+from fedhisto.experiments import layout as experiment_layout
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.zoo import encoder_entry
@@ -91,3 +92,16 @@ def predict_mem_mb(wildcards):
 
 def predict_runtime(wildcards):
     return ENCODER_RESOURCES.predict_runtime
+
+
+def pretrain_inputs(wildcards):
+    """The manifest, only when the tiny encoder is pretrained on the clients' optimisation images."""
+    ssl = CFG.model.pretrain.objective == "self_supervised"
+    return {"manifest": "results/manifest/manifest.csv"} if ssl else {}
+
+
+def encoder_gpu(encoder, wildcards):
+    """A dose-response encoder entry asks for its own device; the built-in conditions, the main encoder's."""
+    if CFG.experiments.dose_response.entry(encoder):
+        return experiment_layout.entry_resources(CFG, encoder)["gpu"]
+    return train_gpu(wildcards)
