@@ -26,7 +26,7 @@ from torch import nn
 
 from fedhisto.config import Config
 from fedhisto.model.encoder import FrozenEncoder
-from fedhisto.train.data import load_split
+from fedhisto.splits import load_split
 from fedhisto.views import training_views
 
 log = logging.getLogger(__name__)

@@ -74,7 +74,7 @@ def condition_config(cfg: Config, condition: str) -> Config:
     encoder entry, whose encoder (no pipeline pretraining: its weights come from its folder or the
     hub), input size (the registry entry's unless the entry sets ``crop_size``) and normalisation
     replace the main ones."""
-    from fedhisto.model.zoo import encoder_entry
+    from fedhisto.zoo import encoder_entry
 
     entry = cfg.experiments.dose_response.entry(condition.split("/", 1)[1]) \
         if condition.startswith("dose_response/") else None
@@ -151,7 +151,7 @@ def condition_manifest_inputs(condition: str) -> dict[str, str]:
 
 def entry_resources(cfg: Config, label: str) -> dict[str, int]:
     """Training resources of an encoder entry's runs: its registry entry's hints."""
-    from fedhisto.model.zoo import encoder_entry
+    from fedhisto.zoo import encoder_entry
 
     entry = cfg.experiments.dose_response.entry(label)
     if entry is None:
