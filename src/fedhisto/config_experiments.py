@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from fedhisto.config_base import Strict
+from fedhisto.config_model import EncoderConfig
 from fedhisto.registry import Method
 
 ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
@@ -38,8 +39,6 @@ class DoseEncoder(Strict):
 
     def encoder_config(self):
         """This entry as ``model.encoder`` (validated there: an unknown name lists the known ones)."""
-        from fedhisto.config import EncoderConfig  # config imports this module; resolved at call time
-
         given = {"repo_id": self.repo_id, "revision": self.revision}
         return EncoderConfig(name=self.name, local_dir=self.local_dir, **{k: v for k, v in given.items() if v})
 

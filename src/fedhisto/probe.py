@@ -19,7 +19,7 @@ views are reproducible. Measures, over the images' pooled embeddings:
   trained on one class's variety sees within a class).
 
 Every measure comes with a 95 % percentile bootstrap interval over images
-(:func:`fedhisto.bootstrap.resample_weights` multiplicities, :func:`fedhisto.experiments.stats.interval`).
+(:func:`fedhisto.bootstrap.resample_weights` multiplicities, :func:`fedhisto.experiment_stats.interval`).
 The same measures compare any two renderings of the same tissues (:func:`pair_sensitivity`), e.g.
 the dose-response cohort's tissues at severity 0 and at severity s.
 """
@@ -39,7 +39,7 @@ from fedhisto.atomic import write_csv, write_json
 from fedhisto.bootstrap import resample_weights
 from fedhisto.config import Config, ViewsConfig
 from fedhisto.config_base import identity_dump
-from fedhisto.experiments.stats import interval
+from fedhisto.experiment_stats import interval
 from fedhisto.imageio import load_rgb
 from fedhisto.model.encoder import FrozenEncoder, load_encoder
 from fedhisto.provenance import provenance_block, write_sidecar
