@@ -14,7 +14,7 @@ from fedhisto.config import Config
 from fedhisto.methods import method_names, registration
 
 #: TrainConfig keys that choose which runs exist rather than how a run trains.
-RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds")
+RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds", "comparator_seeds")
 
 
 def training_settings(cfg: Config, method: str) -> dict[str, Any]:

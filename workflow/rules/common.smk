@@ -33,9 +33,28 @@ def planted_input(wildcards):
 
 
 def train_runs():
-    """(method, seed) of every configured run: principal methods x seeds, ablations x ablation seeds."""
-    runs = [(m, s) for m in CFG.train.methods for s in CFG.train.seeds]
-    return runs + [(m, s) for m in CFG.train.ablations for s in CFG.train.ablation_seeds]
+    """(method, seed) of every configured run: principal methods x seeds, extra comparators x
+    comparator seeds (train.seeds unless set), ablations x ablation seeds."""
+    return CFG.train_runs()
+
+
+def method_seeds(method):
+    return CFG.trained_seeds(method)
+
+
+def seed_groups():
+    """[(seeds, methods)]: the configured methods grouped by the seed list they train on, that of
+    train.seeds first. One prediction rule per group, since a rule's outputs are fixed patterns."""
+    groups = {tuple(CFG.train.seeds): []}
+    for m in [*CFG.train.methods, *CFG.train.ablations]:
+        groups.setdefault(tuple(method_seeds(m)), []).append(m)
+    return [(list(seeds), methods) for seeds, methods in groups.items() if methods]
+
+
+def predict_rule_name(seeds):
+    """`predict_cohorts` for the methods on train.seeds; `predict_cohorts_seeds_11_33_55` for others."""
+    return "predict_cohorts" if list(seeds) == list(CFG.train.seeds) else "predict_cohorts_seeds_" + "_".join(
+        map(str, seeds))
 
 
 def encoder_input(wildcards):
@@ -88,3 +107,8 @@ def predict_mem_mb(wildcards):
 
 def predict_runtime(wildcards):
     return 60 if HIBOU else 10
+
+
+def predict_method_runtime(wildcards):
+    """One job predicts every seed of a method."""
+    return predict_runtime(wildcards) * len(method_seeds(wildcards.method))
