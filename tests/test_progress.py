@@ -70,10 +70,12 @@ def test_a_piped_stage_logs_step_lines_and_no_carriage_return_fragments(tmp_path
     folder = tmp_path / "images"
     for k in range(6):
         write_image(folder / f"img{k}.png", seed=k, size=64)
+    # bytes, not text: text mode would turn carriage returns into newlines and hide them
     proc = subprocess.run([sys.executable, "-m", "fedhisto.cli", "audit", str(folder), "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "\r" not in proc.stderr and "\r" not in proc.stdout
-    lines = proc.stderr.splitlines()
-    assert any(" fingerprint: 6/6 image in " in ln for ln in lines), proc.stderr[-3000:]
-    assert any(" verify: " in ln and " pair in " in ln for ln in lines), proc.stderr[-3000:]
+                          capture_output=True, timeout=300, cwd=repo)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert b"\r" not in proc.stderr and b"\r" not in proc.stdout
+    lines = err.splitlines()
+    assert any(" fingerprint: 6/6 image in " in ln for ln in lines), err[-3000:]
+    assert any(" verify: " in ln and " pair in " in ln for ln in lines), err[-3000:]
