@@ -39,3 +39,34 @@ for group_seeds, group_methods in seed_groups():
             ENV
         script:
             "../../scripts/predict.py"
+
+    # a grouped rule wins wherever it can make the file (the same as `ruleorder: <that rule> > predict_cohorts_one_seed`)
+    workflow.ruleorder(predict_rule_name(group_seeds), "predict_cohorts_one_seed")
+
+
+# A run outside the configured ones (method, seed), e.g. a main-pipeline run that an experiment reuses
+# on experiments.seeds while train.comparator_seeds gives that method other seeds: one job per seed.
+rule predict_cohorts_one_seed:
+    input:
+        status="results/train/{method}/seed{seed}/status.json",
+        manifest="results/manifest/manifest.csv",
+        identity="results/manifest/manifest.json",
+        descriptors="results/stain/descriptors.json",
+        encoder=encoder_input,
+    output:
+        test="results/predictions/{method}/seed{seed}/test.csv",
+        holdout="results/predictions/{method}/seed{seed}/holdout.csv",
+        external="results/predictions/{method}/seed{seed}/external.csv",
+    log:
+        "logs/predict/{method}/seed{seed}.log",
+    params:
+        block=lambda wildcards: stage_block(CFG, "predict", method=wildcards.method, seed=wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/predict.py"
