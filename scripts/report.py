@@ -20,8 +20,7 @@ if "snakemake" in globals():
                bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
-    t = config.train
-    runs = [(m, s) for m in t.methods for s in t.seeds] + [(m, s) for m in t.ablations for s in t.ablation_seeds]
+    runs = config.train_runs()
     external: dict[str, list[str]] = {}
     for m, s in runs:
         external.setdefault(m, []).append(f"results/predictions/{m}/seed{s}/external.csv")

@@ -24,9 +24,24 @@ def snakemake(snakemake_bin: str, repo: Path, workdir: Path, *args: str) -> subp
 def workdir(tmp_path_factory, repo: Path, snakemake_bin: str) -> Path:
     wd = tmp_path_factory.mktemp("wf")
     write_tiny_config(wd, max_rounds=2)  # the real Snakefile on a tiny config
-    proc = snakemake(snakemake_bin, repo, wd, "--cores", "2", "all")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # bytes, not text: text mode would turn the carriage returns of progress redraws into newlines
+    proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(wd), "--cores", "2", "all"],
+                          capture_output=True, timeout=1800)
+    console = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == 0, console[-8000:]
+    (wd / "first_all.out").write_bytes(console.encode())
     return wd
+
+
+def test_logs_have_one_line_per_step_and_no_progress_bar_fragments(workdir: Path):
+    """Jobs run side by side with a piped stderr: no carriage-return redraws, a line per finished step."""
+    console = (workdir / "first_all.out").read_bytes().decode()
+    assert "\r" not in console
+    cohort_log = (workdir / "logs/cohort/synthesize_cohort.log").read_text()
+    assert " render: " in cohort_log and " img in " in cohort_log and "\r" not in cohort_log
+    assert " fingerprint: " in (workdir / "logs/clearance/audit_duplicates.log").read_text()
+    # one prediction job per method, logging each of its seeds
+    assert "predict past_v2 seed 11: test " in (workdir / "logs/predict/past_v2.log").read_text()
 
 
 def test_all_builds_the_cohort_with_provenance(workdir: Path):

@@ -40,8 +40,13 @@ from fedhisto.config_privacy import PrivacyConfig
 from fedhisto.registry import Method
 from fedhisto.zoo import ENCODERS
 
-
 # ---------------------------------------------------------------------- train
+#: The study's principal methods: they always train on train.seeds. Any other entry of train.methods
+#: (fedstain, fedstain_code, local_only, pooled, a method of your own) is an extra comparator, which
+#: train.comparator_seeds may give fewer seeds.
+STUDY_METHODS = ("fedavg_peft", "fedprox_peft", "film_zero", "past_v1", "past_v2")
+
+
 class TrainBase(Strict):
     """Engine settings shared by every method; each method family's own block (``train.past``,
     ``train.fedstain``, ...) is added from the method registry (``TrainConfig`` below)."""
@@ -50,6 +55,9 @@ class TrainBase(Strict):
     ablations: list[Method] = Field(default_factory=lambda: ["v2_no_js", "v2_no_feat", "v2_no_proto"])
     seeds: Seeds = Field(default_factory=lambda: [11, 22, 33, 44, 55], min_length=1)
     ablation_seeds: Seeds = Field(default_factory=lambda: [11, 33, 55])
+    comparator_seeds: Seeds | None = Field(
+        None, description="[ours] seeds of the train.methods that are not the study's principal five (fedstain, "
+                          "fedstain_code, local_only, pooled, ...); a non-empty subset of train.seeds; null: train.seeds")
     max_rounds: int = Field(50, ge=1)
     local_epochs: int = Field(2, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -167,6 +175,10 @@ class Config(Strict):
                 and self.manifest.targets != self.profile_targets():
             raise ValueError(f"manifest.targets disagree with synthetic profile '{self.cohort.synthetic.profile}'; "
                              "omit manifest.targets to use the profile's counts")
+        comparator = self.train.comparator_seeds
+        if comparator is not None and (not comparator or not set(comparator) <= set(self.train.seeds)):
+            raise ValueError(f"train.comparator_seeds {comparator} must be a non-empty subset of train.seeds "
+                             f"{self.train.seeds} (or null: the comparators train on train.seeds)")
         self._ablation_seeds_trained()
         if self.privacy.enabled:  # refuses, by name, what DP-SGD cannot run (fedhisto.privacy.support)
             from fedhisto.privacy.support import check_privacy
@@ -183,16 +195,32 @@ class Config(Strict):
             for role, method in (("method", comp.method), ("reference", comp.reference)):
                 missing = [s for s in abl if s not in self.trained_seeds(method)]
                 if missing or not abl:
-                    key = "train.seeds" if method in self.train.methods else "train.ablation_seeds"
+                    key = self.seeds_key(method)
                     raise ValueError(
                         f"bootstrap.comparisons.{name} (ablation: true) ensembles both methods on train.ablation_seeds "
                         f"{abl}; its {role} {method!r} trains on {key} {self.trained_seeds(method)}"
                         f"{f', which lacks {missing}' if missing else ''}. Make train.ablation_seeds a non-empty "
                         "subset of train.seeds")
 
+    def seeds_key(self, method: str) -> str:
+        """The config key holding the seeds ``method`` trains on."""
+        if method not in self.train.methods:
+            return "train.ablation_seeds"
+        if method not in STUDY_METHODS and self.train.comparator_seeds is not None:
+            return "train.comparator_seeds"
+        return "train.seeds"
+
     def trained_seeds(self, method: str) -> list[int]:
-        """Seeds a method trains on: train.seeds for a principal method, else train.ablation_seeds."""
-        return list(self.train.seeds if method in self.train.methods else self.train.ablation_seeds)
+        """Seeds a method trains on: train.seeds for a principal method (and for an extra comparator unless
+        train.comparator_seeds is set), train.comparator_seeds for an extra comparator, else train.ablation_seeds."""
+        key = self.seeds_key(method)
+        t = self.train
+        return list({"train.seeds": t.seeds, "train.comparator_seeds": t.comparator_seeds or t.seeds,
+                     "train.ablation_seeds": t.ablation_seeds}[key])
+
+    def train_runs(self) -> list[tuple[str, int]]:
+        """(method, seed) of every configured run, methods then ablations, each on its own seeds."""
+        return [(m, s) for m in [*self.train.methods, *self.train.ablations] for s in self.trained_seeds(m)]
 
     def trained_comparisons(self) -> list[str]:
         """Configured comparisons whose two methods are both configured to train."""

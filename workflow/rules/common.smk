@@ -35,9 +35,28 @@ def planted_input(wildcards):
 
 
 def train_runs():
-    """(method, seed) of every configured run: principal methods x seeds, ablations x ablation seeds."""
-    runs = [(m, s) for m in CFG.train.methods for s in CFG.train.seeds]
-    return runs + [(m, s) for m in CFG.train.ablations for s in CFG.train.ablation_seeds]
+    """(method, seed) of every configured run: principal methods x seeds, extra comparators x
+    comparator seeds (train.seeds unless set), ablations x ablation seeds."""
+    return CFG.train_runs()
+
+
+def method_seeds(method):
+    return CFG.trained_seeds(method)
+
+
+def seed_groups():
+    """[(seeds, methods)]: the configured methods grouped by the seed list they train on, that of
+    train.seeds first. One prediction rule per group, since a rule's outputs are fixed patterns."""
+    groups = {tuple(CFG.train.seeds): []}
+    for m in [*CFG.train.methods, *CFG.train.ablations]:
+        groups.setdefault(tuple(method_seeds(m)), []).append(m)
+    return [(list(seeds), methods) for seeds, methods in groups.items() if methods]
+
+
+def predict_rule_name(seeds):
+    """`predict_cohorts` for the methods on train.seeds; `predict_cohorts_seeds_11_33_55` for others."""
+    return "predict_cohorts" if list(seeds) == list(CFG.train.seeds) else "predict_cohorts_seeds_" + "_".join(
+        map(str, seeds))
 
 
 def encoder_input(wildcards):
@@ -105,3 +124,8 @@ def encoder_gpu(encoder, wildcards):
     if CFG.experiments.dose_response.entry(encoder):
         return experiment_layout.entry_resources(CFG, encoder)["gpu"]
     return train_gpu(wildcards)
+
+
+def predict_method_runtime(wildcards):
+    """One job predicts every seed of a method."""
+    return predict_runtime(wildcards) * len(method_seeds(wildcards.method))
