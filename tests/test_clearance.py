@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import imagehash
 import numpy as np
 import pytest
 from PIL import Image
@@ -35,6 +36,22 @@ def test_dihedral_phash_catches_every_flip_and_rotation():
         other = dihedral_phashes(np.asarray(img.transpose(op)))[0]
         assert min(bin(int(b) ^ int(other)).count("1") for b in base) <= 2, op
     assert dihedral_phashes(np.asarray(img), dihedral=False).shape == (1,)
+
+
+@pytest.mark.parametrize(("size", "aspect"), [(97, 1.0), (128, 0.75), (224, 1.0), (300, 0.6)])
+def test_dihedral_phash_is_imagehash_phash(size, aspect):
+    """The fast path is imagehash's PHash, bit for bit: the identity hash of the image, and each
+    dihedral variant that of the transformed 32 x 32 thumbnail imagehash itself resizes to."""
+    img = tile("Normal", size, size).crop((0, 0, size, round(size * aspect)))
+    ours = [int(h) for h in dihedral_phashes(np.asarray(img))]
+    as_int = lambda h: int(str(h), 16)  # noqa: E731  (imagehash's hex is the row-major bit string)
+    assert ours[0] == as_int(imagehash.phash(img))
+    thumb = img.convert("L").resize((32, 32), Image.Resampling.LANCZOS)
+    assert set(ours) == {as_int(imagehash.phash(thumb))} | {as_int(imagehash.phash(thumb.transpose(op)))
+                                                            for op in Image.Transpose}
+    for op in Image.Transpose:  # the full image transformed first: PIL's resize rounding moves <= 2 bits
+        theirs = as_int(imagehash.phash(img.transpose(op)))
+        assert min(bin(h ^ theirs).count("1") for h in ours) <= 2, op
 
 
 def test_phash_pairs_threshold_and_order():
