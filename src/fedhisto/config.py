@@ -95,7 +95,26 @@ class ClearanceConfig(Strict):
     n_features: int = Field(400, ge=50, description="keypoints per image for local-feature verification")
     ratio_test: float = Field(0.75, gt=0, lt=1)
     min_inliers: int = Field(10, ge=4, description="RANSAC inliers that confirm a pair (unrelated tissue: <= 5)")
+    link_min_inliers: int | None = Field(
+        None, ge=4, description="second pass (null: off): link two detected families when their closest members "
+                                "nearly verify, i.e. reach this many inliers at a plausible scale "
+                                "(docs/clearance_benchmark.md)")
+    link_min_pairs: int = Field(2, ge=1, description="second pass: distinct near-miss cross pairs that link two "
+                                                     "families (a cross pair verifying outright always links)")
     family_policy: Literal["representatives", "whole_families", "ignore_families"] = "representatives"
+
+    def identity_block(self) -> dict:
+        """What clearance's outputs depend on; the second pass enters only when on, so clearance
+        blocks and provenance written before it existed keep their hash."""
+        off = {"link_min_inliers", "link_min_pairs"} if self.link_min_inliers is None else set()
+        return self.model_dump(mode="json", exclude=off)
+
+    @model_validator(mode="after")
+    def _link_below_confirmation(self) -> ClearanceConfig:
+        if self.link_min_inliers is not None and self.link_min_inliers > self.min_inliers:
+            raise ValueError(f"clearance.link_min_inliers ({self.link_min_inliers}) must not exceed "
+                             f"clearance.min_inliers ({self.min_inliers}): it relaxes the threshold between families")
+        return self
 
 
 # ------------------------------------------------------------------- manifest
@@ -122,6 +141,13 @@ class ManifestConfig(Strict):
     allow_scaling: bool = Field(
         False, description="when the kept images cannot fill the targets, scale every target by one common factor "
                            "(logged, recorded in manifest.json and beside the study's Table 2) instead of stopping")
+    stratify_by_source: bool = Field(
+        False, description="draw global validation and test per class in proportion to the sources (site tags) of "
+                           "that class's leftover images, rather than from all leftovers in one seeded order")
+
+    def identity_block(self) -> dict:
+        """The manifest block; ``stratify_by_source`` enters only when on (old identities unchanged)."""
+        return self.model_dump(mode="json", exclude=set() if self.stratify_by_source else {"stratify_by_source"})
 
     @model_validator(mode="after")
     def _fractions_valid(self) -> ManifestConfig:

@@ -45,10 +45,10 @@ def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
     dump = lambda model: model.model_dump(mode="json")  # noqa: E731
     if stage == "cohort":
         return dump(cfg.cohort)
-    if stage == "clearance":
-        return dump(cfg.clearance)
+    if stage == "clearance":  # new keys at their defaults leave existing blocks as they were
+        return cfg.clearance.identity_block()
     if stage == "manifest":
-        return {"manifest": dump(cfg.manifest), "targets": dump(cfg.partition_targets()),
+        return {"manifest": cfg.manifest.identity_block(), "targets": dump(cfg.partition_targets()),
                 "family_policy": cfg.clearance.family_policy}
     if stage == "stain":
         # the per-client image sample is drawn with the manifest's split seed
