@@ -3,7 +3,8 @@
 Usage::
 
     python benchmarks/clearance_benchmark.py [--shared ../shared] [--sizes 1000 3000] [--threads 2]
-        [--links off 6x2 ...] [--degrade 80:50 ...] [--skip-imagededup] [--planted] [--real-families]
+        [--links off 6x2 ...] [--corpora sample degraded real-families planted] [--degrade 80:50 ...]
+        [--skip-real] [--skip-imagededup]
 
 1. Real images (``<shared>/realdata/lc25000-sample`` with curated family labels in MANIFEST.tsv):
    pairwise precision / recall / F1 and ARI per class, class-mixing check, images per second,
@@ -16,12 +17,13 @@ Usage::
 3. The second pass (``clearance.link_min_inliers`` x ``link_min_pairs``, written ``6x2``; ``off``
    is the first pass alone) side by side on every corpus: pairwise precision / recall, true
    families split over two or more detected families, detected families merging two true ones,
-   links made. Corpora: the real sample as it is and degraded (``--degrade SIZE:QUALITY``:
-   downscaled and re-encoded, which makes the first pass split families); LC25000-shaped
-   families built from real tiles (``--real-families``: the WSSS4LUAD, tiatoolbox and 768 px
-   LC25000 images of the shared folder plus one image per LC25000 sample family, each given
-   19 rotated / zoomed / flipped copies); the embedded default's planted families
-   (``--planted``: the synthetic cohort rendered into a temporary folder).
+   links made. ``--corpora``: the real sample as it is (``sample``) and degraded (``degraded``,
+   sizes from ``--degrade SIZE:QUALITY``: downscaled and re-encoded, which makes the first pass
+   split families); LC25000-shaped families of real tiles (``real-families``: the WSSS4LUAD,
+   tiatoolbox and 768 px LC25000 images of the shared folder plus one image per LC25000 sample
+   family, each given 19 rotated / zoomed / flipped copies); the embedded default's planted
+   families (``planted``: its synthetic cohort rendered into a temporary folder); and the
+   ``--sizes`` synthetic LC25000-shaped corpora.
 
 imagededup is not a project dependency: its package imports torchvision at import time, which
 cannot be installed beside the CPU torch build, so this script installs it with ``--no-deps``
@@ -180,20 +182,21 @@ def augmentation_families(originals: list[Image.Image], folder: Path, family_siz
     return [paths[i] for i in order], [truth[i] for i in order]
 
 
-def link_benchmark(shared: Path, links: list[str], degrade: list[str], real_families: bool, threads: int) -> None:
+def link_benchmark(shared: Path, links: list[str], corpora: list[str], degrade: list[str], threads: int) -> None:
     if not (shared / "realdata" / "MANIFEST.tsv").exists():
         print("[link] real corpora skipped: no realdata folder")
         return
     rows = lc25000_rows(shared)
     paths = [str(shared / "realdata" / r["path"]) for r in rows]
     truth = [r["family"] for r in rows]
-    compare_links("real 224px", paths, truth, links, threads)
-    for spec in degrade:
+    if "sample" in corpora:
+        compare_links("real 224px", paths, truth, links, threads)
+    for spec in degrade if "degraded" in corpora else []:
         size, quality = (int(v) for v in spec.split(":"))
         with tempfile.TemporaryDirectory() as tmp:
             compare_links(f"real {size}px q{quality}", degraded_copies(paths, Path(tmp), size, quality), truth,
                           links, threads)
-    if real_families:
+    if "real-families" in corpora:
         with tempfile.TemporaryDirectory() as tmp:
             originals = real_originals(shared)
             fam_paths, fam_truth = augmentation_families(originals, Path(tmp))
@@ -299,16 +302,19 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=[1000, 3000])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--links", nargs="*", default=[], help="second-pass settings to compare, e.g. off 6x2 5x2")
-    parser.add_argument("--degrade", nargs="*", default=[], help="SIZE:QUALITY variants of the real sample")
-    parser.add_argument("--real-families", action="store_true", help="LC25000-shaped families of real tiles")
-    parser.add_argument("--planted", action="store_true", help="the embedded default's planted families")
+    parser.add_argument("--corpora", nargs="*", default=["sample", "degraded", "real-families", "planted"],
+                        choices=["sample", "degraded", "real-families", "planted"],
+                        help="corpora the --links settings are compared on (the --sizes corpora always are)")
+    parser.add_argument("--degrade", nargs="*", default=["80:50", "64:40"], help="SIZE:QUALITY of the degraded sample")
+    parser.add_argument("--skip-real", action="store_true", help="skip section 1 (real sample, imagededup)")
     parser.add_argument("--skip-imagededup", action="store_true")
     args = parser.parse_args()
     shared = Path(args.shared)
-    real_benchmark(shared, args.threads, with_imagededup=not args.skip_imagededup)
+    if not args.skip_real:
+        real_benchmark(shared, args.threads, with_imagededup=not args.skip_imagededup)
     if args.links:
-        link_benchmark(shared, args.links, args.degrade, args.real_families, args.threads)
-        if args.planted:
+        link_benchmark(shared, args.links, args.corpora, args.degrade, args.threads)
+        if "planted" in args.corpora:
             planted_benchmark(args.links, args.threads)
     scale_benchmark(args.sizes, args.threads, args.links)
 

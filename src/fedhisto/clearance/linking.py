@@ -14,9 +14,13 @@ and asks for corroboration:
 2. Every pair of first-pass families joined by a near miss is *suspect*. Its closest cross
    pairs (visual-word cosine), up to ``LINK_CHECKS`` not yet verified, are verified now, so
    support does not hinge on which pairs the k-NN candidates happened to propose.
-3. Two suspect families are linked when a cross pair now verifies outright, or when at least
-   ``link_min_pairs`` distinct cross pairs are near misses. Two singletons (one cross pair)
-   can therefore only link by a full verification: the pass never lowers the bar for them.
+3. Two suspect families are linked when a cross pair now verifies outright, or when near misses
+   join at least ``link_min_pairs`` distinct *pictures* pairs. A picture is a set of members
+   that are copies of one image up to re-encoding, resizing, re-staining or a flip / 90-degree
+   turn, i.e. joined by exact or PHash-stage edges: one chance match against two such copies
+   repeats itself and is one piece of evidence, not two (measured on the embedded default's
+   planted families, where it was the cause of every false link). Two singletons can therefore
+   only link by a full verification: the pass never lowers the bar for them.
 
 Links are decided on the first-pass families and applied together, so the outcome does not
 depend on the order suspects are examined in.
@@ -99,6 +103,14 @@ def link_families(uf: UnionFind, edges: list[dict], words: np.ndarray, link_min_
         else:
             verdicts[pair] = verdict
     pass1 = _verified(edges)
+    pictures = UnionFind(len(uf.parent))
+    for e in edges:
+        if e["decision"] == "confirmed" and e["stage"] in ("exact", "phash"):
+            pictures.union(e["a"], e["b"])
+
+    def independent(pairs: list[Pair]) -> int:
+        return len({tuple(sorted((pictures.find(a), pictures.find(b)))) for a, b in pairs})
+
     links: list[tuple[Pair, list[Pair]]] = []
     for roots in sorted(suspect):
         full = [p for p in checks[roots] if p in verdicts and verdicts[p].confirmed(min_inliers)]
@@ -107,7 +119,7 @@ def link_families(uf: UnionFind, edges: list[dict], words: np.ndarray, link_min_
         for p in checks[roots]:  # every pass-2 verification is recorded, at the threshold that judged it
             if p in verdicts and p not in full and p not in near:
                 edge(*p, "link", float(words[p[0]] @ words[p[1]]), 0, "rejected", verdicts[p], link_min_inliers)
-        if full or len(near) >= link_min_pairs:
+        if full or independent(near) >= link_min_pairs:
             links.append((roots, full + near))
         else:
             for p in near:
