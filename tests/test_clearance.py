@@ -201,8 +201,9 @@ def test_second_pass_thresholds_are_obeyed(inliers, pairs, expected):
 def test_second_pass_key_must_relax_the_threshold():
     with pytest.raises(ValueError, match="link_min_inliers"):
         ClearanceConfig(min_inliers=10, link_min_inliers=12)
-    assert "link_min_inliers" not in ClearanceConfig().identity_block()
-    assert ClearanceConfig(link_min_inliers=6).identity_block()["link_min_pairs"] == 2
+    assert "link_min_inliers" not in ClearanceConfig(link_min_inliers=None).identity_block()
+    assert ClearanceConfig().identity_block()["link_min_inliers"] == 5
+    assert ClearanceConfig(link_min_inliers=6).identity_block()["link_min_pairs"] == 3
 
 
 @pytest.mark.parametrize(("stage", "linked"), [("descriptor", True), ("phash", False), ("exact", False)])

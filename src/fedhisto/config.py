@@ -96,11 +96,12 @@ class ClearanceConfig(Strict):
     ratio_test: float = Field(0.75, gt=0, lt=1)
     min_inliers: int = Field(10, ge=4, description="RANSAC inliers that confirm a pair (unrelated tissue: <= 5)")
     link_min_inliers: int | None = Field(
-        None, ge=4, description="second pass (null: off): link two detected families when their closest members "
-                                "nearly verify, i.e. reach this many inliers at a plausible scale "
-                                "(docs/clearance_benchmark.md)")
-    link_min_pairs: int = Field(2, ge=1, description="second pass: distinct near-miss cross pairs that link two "
-                                                     "families (a cross pair verifying outright always links)")
+        5, ge=4, description="second pass (null: off): link two detected families when their closest members "
+                             "nearly verify, i.e. reach this many inliers at a plausible scale "
+                             "(5 x 3 chosen by measurement: docs/clearance_benchmark.md)")
+    link_min_pairs: int = Field(3, ge=1, description="second pass: near-miss cross pairs, between distinct pictures, "
+                                                     "that link two families (a cross pair verifying outright always "
+                                                     "links)")
     family_policy: Literal["representatives", "whole_families", "ignore_families"] = "representatives"
 
     def identity_block(self) -> dict:
