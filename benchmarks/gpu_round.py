@@ -1,13 +1,13 @@
-"""One federated round with the HIBOU-B shape: seconds per round and peak memory.
+"""One federated round with a registry encoder's shape (HIBOU-B by default): seconds per round and peak memory.
 
 Usage (on a machine with a GPU; also runs, slowly, on a CPU with small numbers)::
 
     python benchmarks/gpu_round.py [--images-per-client 64] [--methods fedavg_peft past_v2]
-        [--engines sequential batched] [--json rows.json]
+        [--engines sequential batched] [--encoder hibou-b] [--json rows.json]
 
-Builds the real PEFT model on a randomly initialised encoder of HIBOU-B's exact shape (timing
+Builds the real PEFT model on a randomly initialised encoder of the entry's exact shape (timing
 does not depend on the weights, and no download is possible here), five clients with synthetic
-224 px tiles, and runs the real client update, delta-SVD aggregation, prototype exchange and
+tiles at the entry's input size, and runs the real client update, delta-SVD aggregation, prototype exchange and
 validation pass of the training engine. Prints a Markdown table for docs/performance.md.
 """
 
@@ -26,10 +26,12 @@ from fedhisto.methods import build_method
 from fedhisto.model.build import pick_device
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.splits import Split
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
-from fedhisto.train.data import Split
-from fedhisto.train.loop import RunContext, run_rounds
+from fedhisto.train.loop import run_rounds
+from fedhisto.train.participants import InProcess
+from fedhisto.zoo import ENCODER_NAMES, encoder_entry
 
 
 def synthetic_split(n: int, site: str, seed: int) -> Split:
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--images-per-client", type=int, default=64)
     parser.add_argument("--methods", nargs="*", default=["fedavg_peft", "past_v2"])
     parser.add_argument("--engines", nargs="*", default=["sequential"], choices=["sequential", "batched"])
+    parser.add_argument("--encoder", default="hibou-b", choices=ENCODER_NAMES, help="a registry entry (timm ones need fedhisto[zoo])")
     parser.add_argument("--json", default=None, help="also write the rows here as JSON")
     parser.add_argument("--out", default="/tmp/fedhisto_gpu_round")
     args = parser.parse_args()
@@ -55,28 +58,30 @@ def main() -> None:
     clients = {f"C{k}": synthetic_split(args.images_per_client, f"site{k}", k) for k in range(1, 6)}
     validation = synthetic_split(max(args.images_per_client // 2, 3), "site1", 99)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"device: {name}; images per client: {args.images_per_client}; HIBOU-B shape, random weights")
+    print(f"device: {name}; images per client: {args.images_per_client}; {args.encoder} shape, random weights")
     print("| method | engine | seconds per round | paired-view pairs/s | peak GPU memory (GiB) |")
     print("|---|---|---|---|---|")
     rows = []
     for method, engine in [(m, e) for m in args.methods for e in args.engines]:
-        cfg = load_config({"train": {**base["train"], "engine": engine}})
+        cfg = load_config({"train": {**base["train"], "engine": engine},
+                           "model": {"encoder": {"name": args.encoder}},
+                           "views": {"crop_size": encoder_entry(args.encoder).input_size}})
         torch.manual_seed(0)
         m = build_method(method, cfg)
-        model = FedHistoModel(random_encoder("hibou-b"), cfg.model, film=m.film).to(device)
+        model = FedHistoModel(random_encoder(args.encoder), cfg.model, film=m.film).to(device)
         desc = torch.zeros(14) if m.film else None
-        ctx = RunContext(model=model, method=m, clients=clients, validation=validation,
-                         descriptors={**dict.fromkeys(clients, desc), "global": desc},
-                         cfg=cfg, seed=11, identity={"method": method, "seed": 11, "config_hash": "bench",
-                                                     "dataset_identity": "bench", "descriptor_digest": "none",
-                                                     "encoder_digest": "bench"},
-                         device=device, checkpoint=Path(args.out) / f"{method}-{engine}.pt")
-        ctx.checkpoint.unlink(missing_ok=True)
+        parts = InProcess(model=model, method=m, clients=clients, validation=validation,
+                          descriptors={**dict.fromkeys(clients, desc), "global": desc}, cfg=cfg, seed=11,
+                          device=device, batched=engine == "batched")
+        identity = {"method": method, "seed": 11, "config_hash": "bench", "dataset_identity": "bench",
+                    "descriptor_digest": "none", "encoder_digest": "bench"}
+        checkpoint = Path(args.out) / f"{method}-{engine}.pt"
+        checkpoint.unlink(missing_ok=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
         start = time.perf_counter()
-        run_rounds(ctx)
+        run_rounds(m, parts, model, cfg, identity, checkpoint)
         if device.type == "cuda":
             torch.cuda.synchronize()
         secs = time.perf_counter() - start

@@ -89,3 +89,8 @@ def test_fedstain_code_row_counts_the_pixel_skewness_and_kurtosis_it_uploads(pap
     assert r["payload_mib"] == TABLE8["fedavg_peft"][0] and r["prototype_per_round_mib"] == "0.000000"
     assert r["style_statistics_per_round_mib"] == f"{63_600 / MIB:.6f}" == "0.060654"
     assert float(r["per_round_mib"]) == pytest.approx(37.685661 + 63_600 / MIB, abs=2e-6)
+
+
+def test_message_kinds_without_a_column_of_their_own_are_summed_and_named(paper_rows):
+    """Prototypes and style statistics have columns; no paper method declares any other kind."""
+    assert {(r["other_extra_per_round_mib"], r["other_extra_kinds"]) for r in paper_rows.values()} == {("0.000000", "")}

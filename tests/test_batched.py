@@ -23,9 +23,10 @@ from fedhisto.methods import build_method, method_names
 from fedhisto.methods.base import named_rng
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.batched import MemberJob, StackedAdamW, batched_local_train, clip_per_member
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
+from fedhisto.train.batched import StackedAdamW, batched_local_train, clip_per_member
 from fedhisto.train.local import local_train
+from fedhisto.train.plan import MemberJob
 
 CFG = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16,
                  "lora_dropout": 0.0, "adapter_dropout": 0.0},
@@ -68,7 +69,7 @@ def round_inputs(name: str):
         for n in names:
             model.load_trainable_state(method.start_state(members, n))
             after[n] = method.upload_after_aggregation(model, clients[n], descriptors[n], device)
-        server_state = method.aggregate_uploads(after)
+        server_state = method.aggregate_uploads(after, None)
     uploads = {n: method.upload_before_training(model, method.start_state(members, n), clients[n],
                                                 named_rng("style_sample", 11, ROUND, k), device)
                for k, n in enumerate(names)}
@@ -138,7 +139,8 @@ def test_clipping_leaves_members_that_do_not_step_alone():
 
 @pytest.mark.parametrize("name", ["past_v2", "fedstain"])
 def test_a_round_of_the_loop_with_train_engine_batched_matches_sequential(name: str, tmp_path):
-    from fedhisto.train.loop import RunContext, run_rounds
+    from fedhisto.train.loop import run_rounds
+    from fedhisto.train.participants import InProcess
 
     _, method, _, device, jobs = round_inputs(name)
     clients = {n: j.data for n, j in zip(["C1", "C2", "C3"], jobs, strict=False)}
@@ -149,12 +151,12 @@ def test_a_round_of_the_loop_with_train_engine_batched_matches_sequential(name: 
         c = load_config({**CFG, "train": {**CFG["train"], "max_rounds": 1, "engine": engine}})
         torch.manual_seed(0)
         m = FedHistoModel(random_encoder("tiny"), c.model, film=method.film)
-        ctx = RunContext(model=m, method=build_method(name, c), clients=clients, validation=split(6, 9),
-                         descriptors=desc, cfg=c, seed=11,
-                         identity={"method": name, "seed": 11, "config_hash": engine, "dataset_identity": "t",
-                                   "descriptor_digest": "t", "encoder_digest": "t"},
-                         device=device, checkpoint=tmp_path / f"{engine}.pt")
-        ends[engine] = run_rounds(ctx)
+        meth = build_method(name, c)
+        parts = InProcess(model=m, method=meth, clients=clients, validation=split(6, 9), descriptors=desc, cfg=c,
+                          seed=11, device=device, batched=engine == "batched")
+        identity = {"method": name, "seed": 11, "config_hash": engine, "dataset_identity": "t",
+                    "descriptor_digest": "t", "encoder_digest": "t"}
+        ends[engine] = run_rounds(meth, parts, m, c, identity, tmp_path / f"{engine}.pt")
     seq, bat = ends["sequential"]["members"]["global"], ends["batched"]["members"]["global"]
     worst = max(float((seq[k] - bat[k]).abs().max()) for k in seq)
     assert worst < ATOL, worst

@@ -201,9 +201,13 @@ def test_second_pass_thresholds_are_obeyed(inliers, pairs, expected):
 def test_second_pass_key_must_relax_the_threshold():
     with pytest.raises(ValueError, match="link_min_inliers"):
         ClearanceConfig(min_inliers=10, link_min_inliers=12)
-    assert "link_min_inliers" not in ClearanceConfig(link_min_inliers=None).identity_block()
-    assert ClearanceConfig().identity_block()["link_min_inliers"] == 5
-    assert ClearanceConfig(link_min_inliers=6).identity_block()["link_min_pairs"] == 3
+    from fedhisto.config import load_config
+    from fedhisto.stage_config import stage_block
+
+    # on by default, a behaviour change: both keys are in clearance's identity, and switching it off changes it
+    block = stage_block(load_config({}), "clearance")
+    assert (block["link_min_inliers"], block["link_min_pairs"]) == (5, 3)
+    assert stage_block(load_config({"clearance": {"link_min_inliers": None}}), "clearance") != block
 
 
 @pytest.mark.parametrize(("stage", "linked"), [("descriptor", True), ("phash", False), ("exact", False)])

@@ -94,3 +94,40 @@ def test_snakemake_stops_before_any_job_on_bad_config(repo: Path, tmp_path: Path
     assert proc.returncode != 0
     assert "profile" in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("key", ["seeds", "ablation_seeds"])
+@pytest.mark.parametrize(("seeds", "message"), [
+    ([-1, 11, 33, 55], r"train\.\w*seeds': Value error, seeds are non-negative integers \(got \[-1\]\)"),
+    ([11, 11, 33, 55], r"train\.\w*seeds': Value error, seeds must be distinct \(\[11\] listed more than once\)"),
+])
+def test_run_seeds_are_distinct_non_negative_integers_named_by_key(key: str, seeds: list[int], message: str):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"train": {key: seeds, **({"seeds": [11, 33, 55]} if key == "ablation_seeds" else {})}})
+
+
+def test_method_settings_blocks_come_from_the_registry_and_the_stored_schema_is_current():
+    from fedhisto.config import settings_schema_text
+    from fedhisto.methods import settings_blocks
+    from fedhisto.registry import SCHEMA_FILE
+
+    assert SCHEMA_FILE.read_text() == settings_schema_text(), "run: fedhisto schema --write workflow/schemas/config.schema.json"
+    cfg = load_config({"train": {"past": {"weight_js": 0.5}}})
+    assert set(settings_blocks()) <= set(type(cfg.train).model_fields)
+    assert cfg.train.past.weight_js == 0.5 and cfg.train.fedstain.upload_ratio == 0.1
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.past\.weight_jss'"):
+        load_config({"train": {"past": {"weight_jss": 0.5}}})
+    with pytest.raises(ConfigError, match=r"train\.fedstain\.upload_ratio"):
+        load_config({"train": {"fedstain": {"upload_ratio": 2.0}}})
+
+
+def test_if_changed_fields_enter_identities_only_when_set():
+    from fedhisto.stage_config import stage_block
+
+    default = stage_block(load_config({}), "train", method="past_v2", seed=11)
+    batched = stage_block(load_config({"train": {"engine": "batched"}}), "train", method="past_v2", seed=11)
+    assert "engine" not in default["train"] and batched["train"]["engine"] == "batched"
+    assert {k: v for k, v in batched["train"].items() if k != "engine"} == default["train"]
+    assert "stain_views" not in default["model"]["pretrain"]
+    assert stage_block(load_config({"model": {"pretrain": {"stain_views": False}}}), "train", method="past_v2",
+                       seed=11)["model"]["pretrain"]["stain_views"] is False

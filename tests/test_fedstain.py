@@ -204,7 +204,7 @@ def test_fedstain_code_pool_excludes_the_clients_own_statistics():
 
 
 def test_fedstain_code_uploads_pixel_moments_of_floor_r_n_images():
-    from fedhisto.train.data import Split
+    from fedhisto.splits import Split
     from fedhisto.views import eval_view
 
     cfg = load_config({"views": {"crop_size": 16}})

@@ -25,7 +25,23 @@ from fedhisto.train.stage import run_train
 
 pytestmark = pytest.mark.flower
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".svs", ".bmp")
-METHODS = ("fedavg_peft", "past_v2", "fedstain")
+# The Simulation Engine runs (Ray) are slow: past_v2 by default, these three with FEDHISTO_SIM_ALL=1.
+SIM_METHODS = ("fedavg_peft", "past_v2", "fedstain")
+
+
+def federable_methods() -> list[str]:
+    """Every registered method with one global model that a federation can run (from the registry)."""
+    from fedhisto.config import load_config
+    from fedhisto.methods import build_method, method_names
+    from fedhisto.methods.base import GLOBAL, Method
+
+    cfg = load_config({})
+    out = []
+    for name in method_names():
+        m = build_method(name, cfg)
+        if type(m).participants is Method.participants and m.members(["C1", "C2"]) == [GLOBAL]:
+            out.append(name)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +85,24 @@ def assert_same_states(a: Path, b: Path) -> None:
         assert sa.keys() == sb.keys()
         for name in sa:
             assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), f"{key}/{name} differs"
-    if ca["server_state"] is None:
-        assert cb["server_state"] is None
-    else:
-        assert all(torch.equal(ca["server_state"][k], cb["server_state"][k]) for k in ca["server_state"])
+    assert_same_value(ca["server_state"], cb["server_state"], "server_state")
     assert [h["val_macro_f1"] for h in ca["history"]] == [h["val_macro_f1"] for h in cb["history"]]
+
+
+def assert_same_value(a, b, where: str) -> None:
+    """Bitwise equality of a server state of any shape: None, tensors, numbers, (nested) dicts and lists."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            assert_same_value(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_value(x, y, f"{where}/{i}")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
 def test_records_round_trip_every_hook_value_exactly():
@@ -81,6 +110,7 @@ def test_records_round_trip_every_hook_value_exactly():
 
     from fedhisto.federation.records import get_payload, get_value, put_payload, put_value
     from fedhisto.fedmath.fedstain import StyleStats
+    from fedhisto.fedmath.fedstain_code import PixelMoments
     from fedhisto.fedmath.prototypes import ClientPrototypes, ServerPrototypes
 
     g = torch.Generator().manual_seed(0)
@@ -90,6 +120,8 @@ def test_records_round_trip_every_hook_value_exactly():
                                    torch.tensor([True, False, True]), torch.tensor([4.0, 0.0, 2.0])),
         "client": ClientPrototypes({0: torch.randn(8, generator=g), 2: torch.randn(8, generator=g)}, {0: 5, 2: 1}),
         "style": StyleStats(*(torch.randn(5, c, generator=g) for c in (3, 3, 8, 8))),
+        "pixel": PixelMoments(torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)),
+        "nested": {"c": {"w": torch.randn(2, 2, generator=g)}, "steps": 7, "lr": 0.5, "tag": "x", "pair": (1, None)},
         "none": None,
     }
     rd = RecordDict()
@@ -103,12 +135,39 @@ def test_records_round_trip_every_hook_value_exactly():
     assert back["server"].mask.dtype == torch.bool
     assert back["client"].counts == {0: 5, 2: 1} and torch.equal(back["client"].centroids[2], values["client"].centroids[2])
     assert torch.equal(back["style"].feat_kurt, values["style"].feat_kurt) and back["none"] is None
+    assert isinstance(back["pixel"], PixelMoments) and torch.equal(back["pixel"].kurt, values["pixel"].kurt)
+    assert back["nested"]["steps"] == 7 and back["nested"]["pair"] == (1, None) and back["nested"]["tag"] == "x"
+    assert torch.equal(back["nested"]["c"]["w"], values["nested"]["c"]["w"])
     rd2 = RecordDict()
     put_payload(rd2, {"prototypes": values["server"], "style_pool": values["style"]})
     assert set(get_payload(rd2)) == {"prototypes", "style_pool"}
 
 
-@pytest.mark.parametrize("method", METHODS)
+def test_records_refuse_what_they_cannot_carry_or_rebuild():
+    from dataclasses import dataclass
+
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedhisto.federation.records import get_value, put_value
+
+    with pytest.raises(TypeError, match=r"upload: no record encoding for set"):
+        put_value(RecordDict(), "upload", {1, 2})
+
+    @dataclass
+    class Foreign:
+        x: int
+
+    Foreign.__module__ = "os"
+    rd = RecordDict()
+    put_value(rd, "upload", Foreign(1))
+    with pytest.raises(ValueError, match=r"refusing to rebuild os:"):
+        get_value(rd, "upload")
+    rd["bad#meta"] = ConfigRecord({"json": '{"t": "weird"}'})
+    with pytest.raises(ValueError, match="unknown record node kind 'weird'"):
+        get_value(rd, "bad")
+
+
+@pytest.mark.parametrize("method", federable_methods())
 def test_flower_message_path_equals_in_process_engine_bitwise(prepared: dict, tmp_path: Path, method: str):
     """Same hooks, same client index k, same named RNG streams: the states are bitwise equal on CPU."""
     a = in_process(prepared, method, tmp_path / "inproc")
@@ -117,6 +176,20 @@ def test_flower_message_path_equals_in_process_engine_bitwise(prepared: dict, tm
     assert (tmp_path / "inproc/validation_predictions.csv").read_text() == \
         (tmp_path / "flower/validation_predictions.csv").read_text()
     assert json.loads((tmp_path / "flower/status.json").read_text())["status"] == "finalised"
+
+
+def test_a_pre_upload_variant_of_a_method_travels_the_message_path_bitwise(prepared: dict, tmp_path: Path):
+    """SCAFFOLD's ``variates: start_gradient`` uploads gradients before training (the pre-upload hook of
+    a non-default setting, which the registry-wide test above does not reach)."""
+    import yaml
+
+    doc = yaml.safe_load(Path(prepared["config"]).read_text())
+    doc.setdefault("train", {})["scaffold"] = {"variates": "start_gradient"}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    variant = {**prepared, "config": config}
+    assert_same_states(in_process(variant, "scaffold", tmp_path / "inproc"),
+                       local_flower(variant, "scaffold", tmp_path / "flower"))
 
 
 def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp_path: Path):
@@ -131,6 +204,31 @@ def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp
     ckpt = fed.run(ex)
     assert all(set(h["unavailable_clients"]) == {"C5"} for h in ckpt["history"])
     assert all("C5" not in h["weights"] for h in ckpt["history"])
+
+
+def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: dict, tmp_path: Path, monkeypatch):
+    import fedhisto.federation.client_app as client_app
+    from fedhisto.code_identity import identity_strings
+    from fedhisto.federation.server import FederatedRun
+    from fedhisto.federation.server_app import GridExchange
+
+    real = identity_strings()
+
+    def code_of_this_site():  # the ClientApp's site: C3 runs another build of the package
+        import inspect
+
+        site = next(f.frame.f_locals["site"] for f in inspect.stack() if "site" in f.frame.f_locals)
+        return {**real, "source_digest": "0" * 64} if site.sc.site == "C3" else real
+
+    monkeypatch.setattr(client_app, "identity_strings", code_of_this_site)
+    fed = FederatedRun(load_config_file(prepared["config"]), "fedavg_peft", 11, SITES, tmp_path,
+                       prepared["dataset_identity"], str(prepared["descriptors"]))
+    ex = GridExchange(LocalGrid(node_configs(prepared), {}), SITES, 60, 5,
+                      {"method": "fedavg_peft", "seed": 11, "config": fed.cfg_json})
+    ckpt = fed.run(ex)
+    for h in ckpt["history"]:
+        assert set(h["unavailable_clients"]) == {"C3"} and "C3" not in h["weights"] and len(h["weights"]) == 4
+        assert "refused: site C3 runs other code: source digest 0000" in h["unavailable_clients"]["C3"]
 
 
 def test_flower_checkpoint_goes_through_predict_metrics_and_bootstrap(prepared: dict, tmp_path: Path):
@@ -177,7 +275,7 @@ def run_config(prepared: dict, method: str, out: Path, log_dir: Path, **extra) -
             "round-timeout": 240.0, **extra}
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if os.environ.get("FEDHISTO_SIM_ALL") or m == "past_v2"])
+@pytest.mark.parametrize("method", [m for m in SIM_METHODS if os.environ.get("FEDHISTO_SIM_ALL") or m == "past_v2"])
 def test_simulation_engine_equals_in_process_engine(prepared: dict, tmp_path: Path, method: str):
     """``flwr run`` on Flower's Simulation Engine (Ray). Ray's start dominates (~2 min on 2 cores), so CI
     runs past_v2 only; FEDHISTO_SIM_ALL=1 runs all three methods."""

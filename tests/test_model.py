@@ -47,15 +47,15 @@ def test_model_card_cli_prints_json(capsys):
 
 def _save_random(folder: Path, name: str = "tiny", seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = random_encoder(name)
-    model.save_pretrained(folder)
-    return model
+    encoder = random_encoder(name)
+    encoder.save(folder)
+    return encoder.module
 
 
 def test_offline_hub_format_round_trip(tmp_path: Path):
     """A save_pretrained folder of the HIBOU-B family loads through the real loader, weights intact."""
     saved = _save_random(tmp_path / "snap")
-    loaded = load_encoder(EncoderConfig(name="tiny", local_dir=str(tmp_path / "snap")))
+    loaded = load_encoder(EncoderConfig(name="tiny", local_dir=str(tmp_path / "snap"))).module
     for (n, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
     assert not any(p.requires_grad for p in loaded.parameters())
@@ -91,7 +91,7 @@ def test_legacy_checkpoint_names_map_to_the_same_function(tmp_path: Path):
     assert any("weights_in" in k for k in legacy)
     (tmp_path / "snap" / "model.safetensors").unlink()
     save_file({k: v.contiguous() for k, v in legacy.items()}, str(tmp_path / "snap" / "model.safetensors"))
-    loaded = load_encoder_folder(tmp_path / "snap", "tiny")
+    loaded = load_encoder_folder(tmp_path / "snap", "tiny").module
     x = torch.rand(1, 3, 48, 48)
     assert torch.allclose(saved(pixel_values=x).pooler_output, loaded(pixel_values=x).pooler_output, atol=1e-6)
 

@@ -32,7 +32,8 @@ def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: 
     blocks = re.findall(r"```text\n(.*?)```", text, flags=re.S)
     slurm_proof = next(b.strip() for b in blocks if "pytest -m slurm" in b)
     flower_proof = next(b.strip() for b in blocks if "pytest -m flower" in b)
-    assert ci_lines == [test_cmd, "apt-get update -qq", slurm_proof, flower_proof]
+    zoo_proof = next(b.strip() for b in blocks if "pytest -m zoo" in b)
+    assert ci_lines == [test_cmd, "apt-get update -qq", slurm_proof, flower_proof, zoo_proof]
 
 
 def test_readme_cluster_command_is_the_one_the_slurm_test_runs(repo: Path):

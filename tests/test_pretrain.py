@@ -23,7 +23,7 @@ def test_pretrained_encoder_loads_through_the_strict_loader(tmp_path: Path):
     enc = load_encoder(EncoderConfig(name="tiny", require_pretrained=True), tmp_path / "enc")
     assert not any(p.requires_grad for p in enc.parameters())
     fresh = load_encoder(EncoderConfig(name="tiny", require_pretrained=False))
-    moved = any(not torch.equal(a, b) for a, b in zip(enc.state_dict().values(), fresh.state_dict().values(),
+    moved = any(not torch.equal(a, b) for a, b in zip(enc.module.state_dict().values(), fresh.module.state_dict().values(),
                                                        strict=True))
     assert moved, "pretraining must change the weights"
 

@@ -12,10 +12,10 @@ from PIL import Image
 from fedhisto import CLASSES
 from fedhisto.cohort import run_cohort
 from fedhisto.config import CohortConfig, SyntheticCohort
+from fedhisto.profiles import PROFILES
 from fedhisto.sources import read_sources_csv
 from fedhisto.synth.cohort import plan_cohort
 from fedhisto.synth.families import encode_jpeg, make_copy, rotate_zoom
-from fedhisto.synth.profiles import PROFILES
 from fedhisto.synth.stain import SITE_STYLES, od_to_rgb, render_rgb, rgb_to_od
 from fedhisto.synth.tissue import tissue
 

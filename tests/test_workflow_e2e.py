@@ -62,7 +62,7 @@ def test_clearance_recovers_every_planted_family_and_manifest_lands_on_profile(w
     assert audit["planted"]["recall"] == 1.0
     assert audit["planted"]["pairwise"]["precision"] == 1.0
     assert audit["failures"] == [] and audit["label_conflicts"] == []
-    from fedhisto.synth.profiles import PROFILES
+    from fedhisto.profiles import PROFILES
 
     profile = PROFILES["small"]
     with (workdir / "results/manifest/composition.csv").open() as fh:

@@ -14,6 +14,9 @@ Messages per round and client:
   down, every other client's rows.
   n_i is the planned optimisation size (pool minus holdout); holdouts drawn in whole duplicate
   families can move a realised count by a few images (results/manifest/composition.csv).
+- control variates (scaffold): c and the client's c_i down (a deployment that keeps c_i at the
+  site: c down, delta c_i up), each the size of the trainable state; a kind without a column of
+  its own, so it is summed into ``other_extra_per_round_mib`` and named in ``other_extra_kinds``.
 One-time: each client's 14-d stain descriptor, up once.
 
 The study's Table 8 (41.615891 MiB for v1/v2) matches centroids+counts up and centroids
@@ -39,6 +42,9 @@ from fedhisto.targets import holdout_count
 STAGE = "accounting"
 MIB = 2**20
 FLOAT32 = 4
+#: message kinds with their own column; any other kind a method declares (``extra_traffic_bytes``)
+#: is summed into ``other_extra_per_round_mib`` and named in ``other_extra_kinds``
+NAMED_KINDS = ("prototype", "style_statistics")
 
 
 def optimisation_sizes(cfg: Config) -> dict[str, int]:
@@ -63,9 +69,10 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
         dim = model.classifier.in_features
         m = build_method(method, cfg)
         model_bytes = model_bytes if m.exchanges_model else 0
-        extra = m.extra_traffic_bytes(dim, availability, optimisation_sizes(cfg))
+        extra = m.extra_traffic_bytes(dim, availability, optimisation_sizes(cfg), payload)
         protos = prototype_traffic(dim, availability) if "prototype" in extra else None
         style = extra.get("style_statistics", 0)
+        other = {k: v for k, v in extra.items() if k not in NAMED_KINDS}  # e.g. control variates
         per_round = model_bytes + sum(extra.values())
         if method == "fedavg_peft":
             baseline = per_round
@@ -79,6 +86,8 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
             "model_per_round_mib": f"{model_bytes / MIB:.6f}",
             "prototype_per_round_mib": f"{(protos.total_bytes if protos else 0) / MIB:.6f}",
             "style_statistics_per_round_mib": f"{style / MIB:.6f}",
+            "other_extra_per_round_mib": f"{sum(other.values()) / MIB:.6f}",
+            "other_extra_kinds": ";".join(sorted(other)),
             "per_round_mib": f"{per_round / MIB:.6f}",
             "overhead_vs_fedavg_pct": f"{100 * (per_round - baseline) / baseline:.6f}",
             "prototype_residual_vs_study_mib": f"{((protos.total_bytes - protos.study_bytes) if protos else 0) / MIB:.6f}",

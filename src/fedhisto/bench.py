@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from fedhisto.config import load_config
-from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods import build_method
-from fedhisto.methods.base import Batch, LocalRun
-from fedhisto.model.encoder import ENCODER_SHAPES, random_encoder
+from fedhisto.methods.base import Batch
+from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.splits import Split
 from fedhisto.train.batched import (
     Layout,
     StackedAdamW,
@@ -49,12 +49,14 @@ from fedhisto.train.batched import (
     stack_states,
     stacked_forward,
 )
-from fedhisto.train.data import Split
+from fedhisto.train.plan import MemberJob, local_run
 from fedhisto.views import training_views
 from fedhisto.views_device import DeviceImages, draw_views, render_views
+from fedhisto.zoo import encoder_entry
 
-SHAPES = {"tiny": {"adapter_hidden": 32, "film_hidden": 32},
-          "hibou-b": {"adapter_hidden": 256, "film_hidden": 64}}
+#: head sizes: the embedded default's for the tiny encoder, the study's for every foundation model
+TINY_HEAD = {"adapter_hidden": 32, "film_hidden": 32}
+STUDY_HEAD = {"adapter_hidden": 256, "film_hidden": 64}
 
 
 def _sync(device: torch.device) -> None:
@@ -132,9 +134,9 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     warmup = accum if warmup is None else warmup
     iters = 2 * accum if iters is None else iters
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    shape = ENCODER_SHAPES[encoder]
-    crop = shape["image_size"]
-    cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False}, **SHAPES[encoder]},
+    crop = encoder_entry(encoder).input_size
+    head = TINY_HEAD if encoder_entry(encoder).pretrainable else STUDY_HEAD
+    cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False}, **head},
                        "views": {"crop_size": crop},
                        "train": {"paired_micro_batch": micro, "accumulation_steps": accum}})
     method = build_method("past_v2", cfg)
@@ -151,9 +153,9 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     dummy = Split([f"{k:016x}" for k in range(micro)], y.tolist(), [])
     desc = torch.zeros(1, 14, device=device)
     state = model.trainable_state()
-    runs = [LocalRun(model=model, data=dummy, descriptor=desc, payload={}, start_state=state, params={}, nominal_batch=micro,
-                     ce_weights=class_balanced_weights(dummy.class_counts()).to(device), cfg=cfg, seed=11,
-                     round_idx=0, client_idx=m, device=device) for m in range(members)]
+    plan = method.local_schedule(0)
+    runs = [local_run(model, MemberJob(state, dummy, desc[0], {}, 11, 0, m), cfg, plan, device, {})
+            for m in range(members)]
     batch = Batch(np.arange(micro), y, 0, 0, 0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -15,13 +15,22 @@ SCHEMA_PATH = Path("workflow/schemas/config.schema.json")
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    text = json_schema_text()
+    """The config's JSON schema; with --write also the package's method settings schema
+    (``method_settings.schema.json``), the config's own source for method blocks, first."""
     if args.write:
         from fedhisto.atomic import write_text
+        from fedhisto.config import settings_schema_text
+        from fedhisto.registry import SCHEMA_FILE
 
+        write_text(SCHEMA_FILE, settings_schema_text())
+        # the config models read the settings schema when fedhisto.config is imported: regenerate in a fresh process
+        import subprocess
+
+        text = subprocess.run([sys.executable, "-c", "from fedhisto.config import json_schema_text as t; "
+                               "import sys; sys.stdout.write(t())"], check=True, capture_output=True, text=True).stdout
         write_text(args.write, text)
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(json_schema_text())
     return 0
 
 
@@ -144,6 +153,59 @@ def _cmd_federate(args: argparse.Namespace) -> int:
     return rc_
 
 
+def _cmd_site_prepare(args: argparse.Namespace) -> int:
+    from fedhisto.entry import setup_logging
+    from fedhisto.federation.prepare import prepare_site
+
+    setup_logging()
+    out = args.out or f"results/site/{args.site_id}"
+    upload = prepare_site(args.images, args.site_id, out, load_config_file(args.config), role=args.role,
+                          source_site=args.source_site, layout=args.layout, exclude=args.exclude,
+                          threads=args.threads, progress=True)
+    print(json.dumps({"site": upload.site, "role": upload.role, "class_counts": upload.class_counts,
+                      "upload": str(Path(out) / "upload.json")}, indent=2))
+    return 0
+
+
+def _cmd_check_uploads(args: argparse.Namespace) -> int:
+    from fedhisto.entry import setup_logging
+    from fedhisto.federation.coordinator import check_uploads
+
+    setup_logging()
+    summary = check_uploads(args.uploads, load_config_file(args.config), args.out)
+    print(json.dumps({"sites": sorted(summary["sites"]), "duplicates": summary["duplicates"],
+                      "out": args.out}, indent=2))
+    return 0
+
+
+def _site_local_parsers(sub) -> None:
+    p = sub.add_parser("site-prepare", help="site IT: clearance, holdout split, stain descriptor and manifest on "
+                                            "this site's own images; writes upload.json (also: fedhisto site prepare)")
+    p.add_argument("--images", required=True, help="this site's image folder (nothing else is read)")
+    p.add_argument("--site-id", required=True, help="site id as the coordinator knows it (C1..C5, or e.g. EXT)")
+    p.add_argument("--out", help="default results/site/<site-id>; upload.json is the file to send")
+    p.add_argument("--config", default="config/config.yaml", help="the coordinator's config (same settings everywhere)")
+    p.add_argument("--role", default="client", choices=["client", "validation", "test", "external"],
+                   help="client: trains (optimisation + holdout); otherwise the evaluation set this site holds")
+    p.add_argument("--layout", default="folders", choices=["folders", "lc25000", "wsss4luad", "lunghist700"],
+                   help="folders: one class folder (ACA/Normal/SCC or an alias) per class")
+    p.add_argument("--source-site", help="site tag in the portable relpaths (default: the folder's name)")
+    p.add_argument("--exclude", help="the coordinator's drop list for this site (drops/<site-id>.csv)")
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(func=_cmd_site_prepare)
+
+    p = sub.add_parser("check-uploads", help="coordinator: validate the sites' upload.json files, standardise the "
+                                             "stain descriptors, audit cross-site duplicates, write drop lists")
+    p.add_argument("uploads", nargs="+", help="every site's upload.json")
+    p.add_argument("--config", default="config/config.yaml")
+    p.add_argument("--out", default="results/coordinator")
+    p.set_defaults(func=_cmd_check_uploads)
+
+
+#: Two-word spellings of the site-local commands (``fedhisto site prepare`` = ``fedhisto site-prepare``).
+ALIASES = {("site", "prepare"): "site-prepare", ("federation", "check-uploads"): "check-uploads"}
+
+
 def _federation_parsers(sub) -> None:
     def connection(p, *, superlink: bool = True) -> None:
         if superlink:
@@ -239,17 +301,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_audit)
 
     from fedhisto.methods import method_names
-    from fedhisto.model.encoder import ENCODER_SHAPES
+    from fedhisto.zoo import ENCODER_NAMES
 
     p = sub.add_parser("model-card", help="parameter counts of a method's model as JSON (no weights downloaded)")
-    p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="hibou-b")
+    p.add_argument("--encoder", choices=ENCODER_NAMES, default="hibou-b")
     p.add_argument("--method", choices=method_names(), default="past_v2")
     p.set_defaults(func=_cmd_model_card)
     _federation_parsers(sub)
+    _site_local_parsers(sub)
 
     p = sub.add_parser("bench", help="pairs/s (sequential vs batched engine), inference images/s, peak memory, "
                                      "ratio to a matmul peak measured in the same run")
-    p.add_argument("--encoder", choices=sorted(ENCODER_SHAPES), default="tiny")
+    p.add_argument("--encoder", choices=ENCODER_NAMES, default="tiny")
     p.add_argument("--members", type=int, default=5, help="members trained together (clients x seeds)")
     p.add_argument("--micro-batch", type=int, default=4, help="paired images per member and micro-batch")
     p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per optimiser step")
@@ -263,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if tuple(argv[:2]) in ALIASES:
+        argv = [ALIASES[tuple(argv[:2])], *argv[2:]]
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -15,185 +15,52 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from fedhisto import CLASSES
-from fedhisto.config_base import ConfigError, Method, Strict
+from fedhisto.config_base import IF_CHANGED, ConfigError, Seeds, Strict
+from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage imports its block from here)
+    ClassName,
+    ClearanceConfig,
+    ClientName,
+    CohortConfig,
+    Counts,
+    ManifestConfig,
+    PartitionTargets,
+    PlantedFamilies,
+    RealCohort,
+    SourceSpec,
+    StainConfig,
+    SyntheticCohort,
+    ViewsConfig,
+)
 from fedhisto.config_experiments import ExperimentsConfig
-from fedhisto.config_methods import FedStainCodeConfig, FedStainConfig, PastConfig
-
-ClassName = Literal["ACA", "Normal", "SCC"]
-ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
-Counts = tuple[int, int, int]  # ordered ACA / Normal / SCC
-
-
-# --------------------------------------------------------------------- cohort
-class PlantedFamilies(Strict):
-    """Surplus transformed copies planted so that clearance can be scored."""
-
-    families_per_site: int = Field(6, ge=0, description="families planted per source site")
-    copies_per_family: tuple[int, int] = Field((1, 3), description="inclusive range of copies per family")
-    transforms: list[
-        Literal["exact", "jpeg", "resize", "dihedral", "rotate_zoom", "crop", "stain_shift"]
-    ] = Field(
-        default_factory=lambda: ["exact", "jpeg", "resize", "dihedral", "rotate_zoom", "crop", "stain_shift"],
-        min_length=1,
-    )
-    max_rotation_deg: float = Field(25.0, gt=0, le=45, description="LC25000 rotates by up to 25 degrees")
-    cross_site_probability: float = Field(0.7, ge=0, le=1, description="chance a copy is filed under another site")
-
-
-class SyntheticCohort(Strict):
-    profile: Literal["small", "paper"] = "small"
-    seed: int = 20261130
-    image_size: int = Field(128, ge=64, le=1024, description="internal tile edge in pixels")
-    external_image_size: int = Field(160, ge=64, le=2048, description="external tile edge (scanner differs)")
-    planted: PlantedFamilies = PlantedFamilies()
-
-
-class SourceSpec(Strict):
-    kind: Literal["lc25000", "wsss4luad", "lunghist700", "csv"]
-    root: str = Field(description="dataset folder (for kind csv: the CSV file)")
-    cohort: Literal["internal", "external"] = "internal"
-    site: str | None = Field(None, description="site tag; defaults to the dataset kind")
-    unmapped: Literal["exclude", "error"] = Field(
-        "exclude", description="WSSS4LUAD tiles whose label vector maps to no class: record and exclude, or stop"
-    )
-    relpath_root: str | None = Field(
-        None, description="kind csv only: folder the portable relpath of every row is taken from (default: the "
-                          "CSV's own folder); set it when rows give paths outside that folder, e.g. absolute ones")
-
-    @model_validator(mode="after")
-    def _relpath_root_only_for_csv(self) -> SourceSpec:
-        if self.relpath_root is not None and self.kind != "csv":
-            raise ValueError(f"relpath_root applies only to kind csv (this source is kind {self.kind!r})")
-        return self
-
-
-class RealCohort(Strict):
-    sources: list[SourceSpec] = Field(default_factory=list)
-
-
-class CohortConfig(Strict):
-    mode: Literal["synthetic", "real"] = "synthetic"
-    synthetic: SyntheticCohort = SyntheticCohort()
-    real: RealCohort = RealCohort()
-
-    @model_validator(mode="after")
-    def _real_needs_sources(self) -> CohortConfig:
-        if self.mode == "real" and not self.real.sources:
-            raise ValueError("cohort.mode is 'real' but cohort.real.sources is empty; list at least one source")
-        return self
-
-
-# ------------------------------------------------------------------ clearance
-class ClearanceConfig(Strict):
-    phash_threshold: int = Field(10, ge=0, le=64, description="imagededup default: Hamming <= 10 of 64 bits")
-    dihedral_invariant: bool = True
-    neighbours_per_image: int = Field(12, ge=1, description="candidates proposed per image (scales with corpus)")
-    detector: Literal["sift", "orb"] = "sift"
-    n_features: int = Field(400, ge=50, description="keypoints per image for local-feature verification")
-    ratio_test: float = Field(0.75, gt=0, lt=1)
-    min_inliers: int = Field(10, ge=4, description="RANSAC inliers that confirm a pair (unrelated tissue: <= 5)")
-    link_min_inliers: int | None = Field(
-        5, ge=4, description="second pass (null: off): link two detected families when their closest members "
-                             "nearly verify, i.e. reach this many inliers at a plausible scale "
-                             "(5 x 3 chosen by measurement: docs/clearance_benchmark.md)")
-    link_min_pairs: int = Field(3, ge=1, description="second pass: near-miss cross pairs, between distinct pictures, "
-                                                     "that link two families (a cross pair verifying outright always "
-                                                     "links)")
-    family_policy: Literal["representatives", "whole_families", "ignore_families"] = "representatives"
-
-    def identity_block(self) -> dict:
-        """What clearance's outputs depend on; the second pass enters only when on, so clearance
-        blocks and provenance written before it existed keep their hash."""
-        off = {"link_min_inliers", "link_min_pairs"} if self.link_min_inliers is None else set()
-        return self.model_dump(mode="json", exclude=off)
-
-    @model_validator(mode="after")
-    def _link_below_confirmation(self) -> ClearanceConfig:
-        if self.link_min_inliers is not None and self.link_min_inliers > self.min_inliers:
-            raise ValueError(f"clearance.link_min_inliers ({self.link_min_inliers}) must not exceed "
-                             f"clearance.min_inliers ({self.min_inliers}): it relaxes the threshold between families")
-        return self
-
-
-# ------------------------------------------------------------------- manifest
-class PartitionTargets(Strict):
-    """Image counts per partition, ordered ACA / Normal / SCC (study Table 2 by default)."""
-
-    clients: dict[ClientName, Counts] = Field(
-        default_factory=lambda: {"C1": (229, 208, 293), "C2": (485, 439, 65), "C3": (187, 172, 318),
-                                 "C4": (64, 58, 553), "C5": (1181, 1831, 0)},
-        description="pre-holdout pools")
-    validation: Counts = (472, 474, 473)
-    test: Counts = (473, 475, 472)
-
-
-class ManifestConfig(Strict):
-    split_seed: int = 2026
-    holdout_fraction: dict[ClientName, float] = Field(
-        default_factory=lambda: {"C1": 0.10, "C2": 0.10, "C3": 0.10, "C4": 0.10, "C5": 0.15})
-    client_sites: dict[ClientName, list[str]] = Field(
-        default_factory=lambda: {f"C{k}": [f"site{k}"] for k in range(1, 6)},
-        description="source sites each client's pool is drawn from (synthetic: site k feeds Ck)")
-    targets: PartitionTargets | None = Field(
-        None, description="partition counts; omit with the synthetic cohort to take its profile's")
-    allow_scaling: bool = Field(
-        False, description="when the kept images cannot fill the targets, scale every target by one common factor "
-                           "(logged, recorded in manifest.json and beside the study's Table 2) instead of stopping")
-    stratify_by_source: bool = Field(
-        False, description="draw global validation and test per class in proportion to the sources (site tags) of "
-                           "that class's leftover images, rather than from all leftovers in one seeded order")
-
-    def identity_block(self) -> dict:
-        """The manifest block; ``stratify_by_source`` enters only when on (old identities unchanged)."""
-        return self.model_dump(mode="json", exclude=set() if self.stratify_by_source else {"stratify_by_source"})
-
-    @model_validator(mode="after")
-    def _fractions_valid(self) -> ManifestConfig:
-        for client, frac in self.holdout_fraction.items():
-            if not 0 < frac < 1:
-                raise ValueError(f"manifest.holdout_fraction.{client} must lie in (0, 1), got {frac}")
-        return self
-
-
-# ---------------------------------------------------------------------- stain
-class StainConfig(Strict):
-    max_images_per_client: int = Field(128, ge=1)
-    resize: int = Field(128, ge=16)
-    od_background: float = Field(0.15, gt=0, description="a pixel is background when any OD channel is below this")
-    min_tissue_pixels: int = Field(50, ge=1)
-    od_reference_intensity: float = Field(240.0, gt=0, description="Macenko's Io: OD = -ln((I + 1) / Io)")
-    percentile: float = Field(1.0, gt=0, lt=50, description="Macenko angle percentile (alpha)")
-    he_min_cosine: float = Field(0.8, gt=0, le=1, description="below this cosine to reference H or E, flag as not H&E")
-
-
-# ---------------------------------------------------------------------- views
-class ViewsConfig(Strict):
-    crop_size: int = 224
-    crop_scale: tuple[float, float] = (0.85, 1.00)
-    crop_ratio: tuple[float, float] = (0.90, 1.10)
-    hflip_p: float = Field(0.5, ge=0, le=1)
-    vflip_p: float = Field(0.2, ge=0, le=1)
-    rotation_deg: float = Field(10.0, ge=0)
-    od_noise_sd: float = Field(0.025, ge=0)
-    od_diag_scale: tuple[float, float] = (0.78, 1.22)
-    od_clip: float = Field(5.0, gt=0)
-    brightness: tuple[float, float] = (0.92, 1.08)
-    contrast: tuple[float, float] = (0.92, 1.08)
-    single_view_stain: bool = Field(False, description="[ours] baselines and v1: shared geometry, no stain perturbation")
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+from fedhisto.config_privacy import PrivacyConfig
+from fedhisto.registry import Method
+from fedhisto.zoo import ENCODER_NAMES, ENCODERS
 
 
 # ---------------------------------------------------------------------- model
 class EncoderConfig(Strict):
-    name: Literal["hibou-b", "tiny"] = "hibou-b"
-    repo_id: str = "histai/hibou-b"
-    revision: str = "7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c"
+    name: Literal[ENCODER_NAMES] = Field(  # type: ignore[valid-type]
+        "hibou-b", description="an entry of the encoder registry (fedhisto.zoo; docs/encoders.md)")
+    repo_id: str = Field("histai/hibou-b", description="hub repository; defaults to the entry's (unused by tiny)")
+    revision: str | None = Field(
+        "7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c",
+        description="hub commit; defaults to the entry's pin (entries without a verified pin need one set here)")
     local_dir: str | None = Field(None, description="load from this folder instead of the hub")
     require_pretrained: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hub_defaults_from_entry(cls, data: Any) -> Any:
+        """An entry with a hub repository supplies repo_id and revision unless they are set; the tiny
+        encoder has none and keeps the historical defaults, so existing run identities stand."""
+        if isinstance(data, dict) and data.get("name") in ENCODERS:
+            entry = ENCODERS[data["name"]]
+            if entry.hub_id is not None:
+                data = {"repo_id": entry.hub_id, "revision": entry.revision, **data}
+        return data
 
 
 class PretrainConfig(Strict):
@@ -206,7 +73,7 @@ class PretrainConfig(Strict):
     batch: int = Field(32, ge=1)
     seed: int = Field(777, description="pool seed; the pool never overlaps the cohort (different seed stream)")
     stain_views: bool = Field(
-        True, description="True: pretrain through stain-perturbed views (the pipeline's stain-invariant encoder); "
+        True, json_schema_extra=IF_CHANGED, description="True: pretrain through stain-perturbed views (the pipeline's stain-invariant encoder); "
                           "False: geometry-only views (the 'plain' encoder of the stain-shift dose-response experiment)")
 
 
@@ -225,15 +92,14 @@ class ModelConfig(Strict):
 
 
 # ---------------------------------------------------------------------- train
-# Each method family's settings block (train.past, train.fedstain, ...) lives in config_methods.
+class TrainBase(Strict):
+    """Engine settings shared by every method; each method family's own block (``train.past``,
+    ``train.fedstain``, ...) is added from the method registry (``TrainConfig`` below)."""
 
-
-
-class TrainConfig(Strict):
     methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "fedprox_peft", "film_zero", "past_v1", "past_v2"])
     ablations: list[Method] = Field(default_factory=lambda: ["v2_no_js", "v2_no_feat", "v2_no_proto"])
-    seeds: list[int] = Field(default_factory=lambda: [11, 22, 33, 44, 55], min_length=1)
-    ablation_seeds: list[int] = Field(default_factory=lambda: [11, 33, 55])
+    seeds: Seeds = Field(default_factory=lambda: [11, 22, 33, 44, 55], min_length=1)
+    ablation_seeds: Seeds = Field(default_factory=lambda: [11, 33, 55])
     max_rounds: int = Field(50, ge=1)
     local_epochs: int = Field(2, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -249,14 +115,23 @@ class TrainConfig(Strict):
     max_unavailable_client_rounds: int = Field(
         5, ge=0, description="declared client unavailabilities tolerated in a run before it counts as failed")
     engine: Literal["sequential", "batched"] = Field(
-        "sequential", description="[ours] local training one client after the other, or every client of a round in "
+        "sequential", json_schema_extra=IF_CHANGED, description="[ours] local training one client after the other, or every client of a round in "
                                   "one encoder pass (train.batched: same math, dropout masks drawn once for the stack)")
     view_pipeline: Literal["host", "device"] = Field(
-        "host", description="[ours] training views made on the host, or on the device from uint8 images kept there "
+        "host", json_schema_extra=IF_CHANGED, description="[ours] training views made on the host, or on the device from uint8 images kept there "
                             "(fedhisto.views_device: same draws, pixels within interpolation rounding)")
-    past: PastConfig = PastConfig()
-    fedstain: FedStainConfig = FedStainConfig()
-    fedstain_code: FedStainCodeConfig = FedStainCodeConfig()
+
+
+def _train_config() -> type[TrainBase]:
+    """``TrainBase`` plus one field per registered method family, typed by its settings class (read
+    from the package's settings schema, so no method module is imported: ``methods.settings``)."""
+    from fedhisto.registry import block_models, settings_blocks
+
+    blocks = {key: (model, model()) for key, model in block_models(settings_blocks()).items()}
+    return create_model("TrainConfig", __base__=TrainBase, __doc__=TrainBase.__doc__, **blocks)
+
+
+TrainConfig = _train_config()
 
 
 # ------------------------------------------------------------------- evaluate
@@ -264,7 +139,7 @@ class EvaluateConfig(Strict):
     eval_batch: int = Field(32, ge=1)
     ece_bins: int = Field(15, ge=2)
     temperature_scaling: bool = Field(
-        False, description="[ours] divide logits by a temperature fitted on each run's validation predictions "
+        False, json_schema_extra=IF_CHANGED, description="[ours] divide logits by a temperature fitted on each run's validation predictions "
                            "before writing test/holdout/external probabilities; off in the study")
 
 
@@ -277,11 +152,11 @@ class Comparison(Strict):
 def _paper_comparisons() -> dict[str, Comparison]:
     pairs = {"v2_vs_fedavg": "fedavg_peft", "v2_vs_fedprox": "fedprox_peft", "v2_vs_filmzero": "film_zero",
              "v2_vs_v1": "past_v1"}
+    from fedhisto.registry import default_comparisons
+
+    # the study's four, then ours: each method registered with a comparison (FedStain, local_only, pooled, ...)
+    pairs.update(default_comparisons())
     out = {name: Comparison(method="past_v2", reference=ref) for name, ref in pairs.items()}
-    out["v2_vs_fedstain"] = Comparison(method="past_v2", reference="fedstain")  # ours: the added comparator
-    out["v2_vs_fedstain_code"] = Comparison(method="past_v2", reference="fedstain_code")  # ours: as its code runs
-    out["v2_vs_local"] = Comparison(method="past_v2", reference="local_only")  # ours: does federation help?
-    out["v2_vs_pooled"] = Comparison(method="past_v2", reference="pooled")  # ours: centralised reference
     for abl in ("v2_no_js", "v2_no_feat", "v2_no_proto"):
         out[f"v2_vs_{abl.removeprefix('v2_')}"] = Comparison(method="past_v2", reference=abl, ablation=True)
     return out
@@ -308,11 +183,32 @@ class Config(Strict):
     evaluate: EvaluateConfig = EvaluateConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     experiments: ExperimentsConfig = ExperimentsConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encoder_normalisation(cls, data: Any) -> Any:
+        """views.normalisation: encoder fills views.mean / views.std with the encoder entry's statistics."""
+        if not isinstance(data, dict):
+            return data
+        views = data.get("views")
+        if not isinstance(views, dict) or views.get("normalisation") != "encoder":
+            return data
+        set_too = [k for k in ("mean", "std") if k in views]
+        if set_too:
+            raise ValueError(f"views.normalisation is 'encoder' but views.{set_too[0]} is set too; "
+                             "remove it (the encoder's statistics are used) or use normalisation: imagenet")
+        encoder = ((data.get("model") or {}).get("encoder") or {}).get("name", "hibou-b")
+        if encoder not in ENCODERS:
+            return data  # EncoderConfig reports the unknown name with the known ones
+        entry = ENCODERS[encoder]
+        return {**data, "views": {**views, "mean": entry.mean, "std": entry.std}}
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.model.pretrain.enabled and self.model.encoder.name != "tiny":
-            raise ValueError("model.pretrain.enabled only applies to the tiny encoder; HIBOU-B is loaded pretrained")
+        if self.model.pretrain.enabled and not ENCODERS[self.model.encoder.name].pretrainable:
+            raise ValueError(f"model.pretrain.enabled only applies to the tiny encoder; "
+                             f"{self.model.encoder.name} is loaded pretrained")
         if tuple(self.classes) != CLASSES:
             raise ValueError(f"classes must be exactly {list(CLASSES)} in that order (got {list(self.classes)})")
         if self.cohort.mode == "real" and self.manifest.targets is None:
@@ -322,6 +218,10 @@ class Config(Strict):
             raise ValueError(f"manifest.targets disagree with synthetic profile '{self.cohort.synthetic.profile}'; "
                              "omit manifest.targets to use the profile's counts")
         self._ablation_seeds_trained()
+        if self.privacy.enabled:  # refuses, by name, what DP-SGD cannot run (fedhisto.privacy.support)
+            from fedhisto.privacy.support import check_privacy
+
+            check_privacy(self)
         return self
 
     def _ablation_seeds_trained(self) -> None:
@@ -360,7 +260,7 @@ class Config(Strict):
         return self.trained_seeds(comp.method), self.trained_seeds(comp.reference)
 
     def profile_targets(self) -> PartitionTargets:
-        from fedhisto.synth.profiles import PROFILES
+        from fedhisto.profiles import PROFILES
 
         p = PROFILES[self.cohort.synthetic.profile]
         return PartitionTargets(clients=p.clients, validation=p.validation, test=p.test)
@@ -427,3 +327,19 @@ def json_schema() -> dict[str, Any]:
 
 def json_schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def settings_schema_text() -> str:
+    """The JSON schema of every registered method settings class (``method_settings.schema.json``);
+    imports the method modules (and so torch)."""
+    from fedhisto.registry import registration, settings_blocks
+    from fedhisto.registry import settings_schema_text as text
+
+    owners = {r.config_key: r for r in map(registration, _method_names()) if r.config_key}
+    return text({key: owners[key].settings_class() for key in settings_blocks()})
+
+
+def _method_names() -> list[str]:
+    from fedhisto.registry import method_names
+
+    return method_names()

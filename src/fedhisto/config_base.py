@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
+
+#: ``Field(..., json_schema_extra=IF_CHANGED)``: the field enters a stage's identity (``stage_config``)
+#: only when set away from its default, so adding an option never changes existing run identities.
+IF_CHANGED: dict[str, Any] = {"x-identity": "if-changed"}
 
 
 class Strict(BaseModel):
@@ -15,12 +19,28 @@ class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the YAML."""
 
 
-def _registered_method(name: str) -> str:
-    from fedhisto.methods import method_names
+def _distinct_seeds(seeds: list[int]) -> list[int]:
+    negative = [s for s in seeds if s < 0]
+    if negative:
+        raise ValueError(f"seeds are non-negative integers (got {negative})")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise ValueError(f"seeds must be distinct ({repeated} listed more than once)")
+    return seeds
 
-    if name not in method_names():
-        raise ValueError(f"unknown method {name!r}; registered: {', '.join(method_names())}")
-    return name
+
+#: A list of run seeds: distinct non-negative integers.
+Seeds = Annotated[list[int], AfterValidator(_distinct_seeds)]
 
 
-Method = Annotated[str, AfterValidator(_registered_method)]
+def identity_dump(model: BaseModel) -> dict[str, Any]:
+    """``model_dump(mode="json")`` without the ``IF_CHANGED`` fields that hold their default."""
+    dump = model.model_dump(mode="json")
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get("x-identity") == "if-changed" and value == info.get_default(call_default_factory=True):
+            dump.pop(name)
+        elif isinstance(value, BaseModel):
+            dump[name] = identity_dump(value)
+    return dump

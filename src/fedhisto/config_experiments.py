@@ -10,7 +10,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from fedhisto.config_base import Method, Strict
+from fedhisto.config_base import Strict
+from fedhisto.registry import Method
 
 ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
 FamilyPolicy = Literal["ignore_families", "representatives", "whole_families"]

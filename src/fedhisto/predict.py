@@ -25,8 +25,8 @@ from fedhisto.model.build import build_model, pick_device
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.predictions import MEMBER_COLUMN, read_predictions, write_predictions
 from fedhisto.provenance import provenance_block, runtime_block, write_sidecar
+from fedhisto.splits import load_partitions
 from fedhisto.stage_config import stage_block
-from fedhisto.train.data import load_partitions
 from fedhisto.train.inference import predict
 from fedhisto.train.stage import descriptors_for
 

@@ -64,7 +64,7 @@ def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
     torch.manual_seed(pc.seed)
     images, labels = render_pool(cfg)
     encoder = random_encoder(cfg.model.encoder.name)
-    head = nn.Linear(encoder.config.hidden_size, len(CLASSES))
+    head = nn.Linear(encoder.dim, len(CLASSES))
     params = [*encoder.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=pc.lr, weight_decay=1e-4)
     steps = pc.epochs * -(-len(images) // pc.batch)
@@ -74,11 +74,11 @@ def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
     for epoch in range(pc.epochs):
         order = np.random.default_rng(np.random.SeedSequence([pc.seed, 1, epoch])).permutation(len(images))
         correct, total_loss = 0, 0.0
-        encoder.train()
+        encoder.module.train()
         for start in range(0, len(order), pc.batch):
             idx = order[start:start + pc.batch]
             x = torch.stack([pretrain_view(images[i], cfg, epoch, i) for i in idx])
-            logits = head(encoder(pixel_values=x).pooler_output)
+            logits = head(encoder.embed(x))
             loss = nn.functional.cross_entropy(logits, y_all[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -89,8 +89,8 @@ def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
         history.append({"epoch": epoch + 1, "loss": total_loss / len(order), "train_accuracy": correct / len(order)})
         log.info("pretrain epoch %d: %s", epoch + 1, history[-1])
     out = Path(out_dir)
-    encoder.eval()
-    encoder.save_pretrained(out)
+    encoder.module.eval()
+    encoder.save(out)
     report = {"pool_images": len(images), "sites": CLIENT_SITES, "history": history,
               "provenance": provenance_block(STAGE, stage_block(cfg, STAGE)),
               "runtime": runtime_block(torch.device("cpu"))}

@@ -4,6 +4,10 @@
 passes it as ``params`` (so Snakemake reruns the stage when it changes), the stage hashes it into
 its provenance ``config_hash``, and the training stage's run identity contains it. Nothing here
 imports torch: the Snakefile calls it at parse time.
+
+One rule keeps old identities when options are added: a field declared with
+``json_schema_extra=IF_CHANGED`` (``config_base``) enters a block only when set away from its
+default (``identity_dump``); every other field always enters.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from fedhisto.config import Config
-from fedhisto.methods import method_names, registration
+from fedhisto.config_base import identity_dump
+from fedhisto.registry import registration, settings_blocks
 
 #: TrainConfig keys that choose which runs exist rather than how a run trains.
 RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds")
@@ -19,49 +24,40 @@ RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds")
 
 def training_settings(cfg: Config, method: str) -> dict[str, Any]:
     """Engine settings plus the method family's own block; other families' blocks do not matter."""
-    train = cfg.train.model_dump(mode="json")
-    families = {registration(name).config_key for name in method_names()} - {None}
-    for key in (*RUN_LISTS, *(families - {registration(method).config_key})):
+    train = identity_dump(cfg.train)
+    for key in (*RUN_LISTS, *(set(settings_blocks()) - {registration(method).config_key})):
         train.pop(key, None)
-    if train.get("engine") == "sequential":  # the default engine leaves existing run identities as they were
-        train.pop("engine")
-    if train.get("view_pipeline") == "host":  # likewise the default view pipeline
-        train.pop("view_pipeline")
     return train
 
 
-def _pretrain(cfg: Config) -> dict[str, Any]:
-    block = cfg.model.pretrain.model_dump(mode="json")
-    if block.get("stain_views") is True:  # the default leaves existing pretrain, train and accounting blocks as they were
-        block.pop("stain_views")
-    return block
-
-
 def _model(cfg: Config) -> dict[str, Any]:
-    return {**cfg.model.model_dump(mode="json"), "pretrain": _pretrain(cfg)}
+    return identity_dump(cfg.model)
 
 
 def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
-    dump = lambda model: model.model_dump(mode="json")  # noqa: E731
+    dump = identity_dump
     if stage == "cohort":
         return dump(cfg.cohort)
-    if stage == "clearance":  # new keys at their defaults leave existing blocks as they were
-        return cfg.clearance.identity_block()
+    if stage == "clearance":
+        return dump(cfg.clearance)
     if stage == "manifest":
-        return {"manifest": cfg.manifest.identity_block(), "targets": dump(cfg.partition_targets()),
+        return {"manifest": dump(cfg.manifest), "targets": dump(cfg.partition_targets()),
                 "family_policy": cfg.clearance.family_policy}
     if stage == "stain":
         # the per-client image sample is drawn with the manifest's split seed
         return {"stain": dump(cfg.stain), "views": dump(cfg.views), "split_seed": cfg.manifest.split_seed}
     if stage == "pretrain":
-        return {"pretrain": _pretrain(cfg), "encoder": cfg.model.encoder.name, "views": dump(cfg.views),
+        return {"pretrain": dump(cfg.model.pretrain), "encoder": cfg.model.encoder.name, "views": dump(cfg.views),
                 "image_size": cfg.cohort.synthetic.image_size}
     if stage == "train":
         method, seed = wildcards["method"], int(wildcards["seed"])
-        return {"method": method, "seed": seed, "train": training_settings(cfg, method),
-                "model": _model(cfg), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
+        block = {"method": method, "seed": seed, "train": training_settings(cfg, method),
+                 "model": _model(cfg), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
+        if cfg.privacy.enabled:  # DP runs are other runs; privacy off leaves every identity as it was
+            block["privacy"] = dump(cfg.privacy)
+        return block
     if stage == "predict":
-        scaled = {"temperature_scaling": True} if cfg.evaluate.temperature_scaling else {}
+        scaled = {k: v for k, v in dump(cfg.evaluate).items() if k == "temperature_scaling"}
         return {"method": wildcards["method"], "seed": int(wildcards["seed"]), "views": dump(cfg.views),
                 "eval_batch": cfg.evaluate.eval_batch, **scaled}
     if stage == "metrics":  # temperature scaling acts in predict; its default leaves this block as it was

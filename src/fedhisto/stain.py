@@ -141,16 +141,33 @@ def run_stain(manifest_csv: str | Path, cfg: Config, out_dir: str | Path) -> dic
     clients = sorted({r["client"] for r in rows if r["client"]})
     if not clients:
         raise StainError(f"{manifest_csv}: no client images")
-    per_client = {}
-    for k, client in enumerate(clients):
-        opt = [r for r in rows if r["client"] == client and r["split"] == "optimisation"]
-        chosen = sample_client(opt, cfg.stain.max_images_per_client, cfg.manifest.split_seed, k)
-        per_client[client] = {**client_descriptor([r["path"] for r in chosen], cfg.stain),
-                              "sample_ids": [r["sample_id"] for r in chosen]}
+    per_client = {client: site_descriptor(rows, client, k, cfg) for k, client in enumerate(clients)}
+    doc = descriptors_document(per_client)
+    prov = provenance_block(STAGE, stage_block(cfg, STAGE), {"manifest": manifest_csv})
+    write_json(out / "descriptors.json", {**doc, "provenance": prov})
+    write_descriptors_csv(out / "descriptors.csv", doc)
+    write_sidecar(out / "descriptors.csv", prov)
+    write_view_pairs(rows, cfg, out / "view_pairs.png")
+    write_sidecar(out / "view_pairs.png", prov)
+    return doc
+
+
+def site_descriptor(rows: list[dict], client: str, k: int, cfg: Config) -> dict:
+    """One client's raw descriptor from its optimisation rows (``k``: its index among the sorted clients,
+    which seeds its sample); computable where the images are, from that client's rows alone."""
+    opt = [r for r in rows if r["client"] == client and r["split"] == "optimisation"]
+    chosen = sample_client(opt, cfg.stain.max_images_per_client, cfg.manifest.split_seed, k)
+    return {**client_descriptor([r["path"] for r in chosen], cfg.stain), "sample_ids": [r["sample_id"] for r in chosen]}
+
+
+def descriptors_document(per_client: dict[str, dict]) -> dict:
+    """``descriptors.json`` (less provenance) from the clients' raw descriptors: standardisation across
+    them and the centroid. The stain stage and the federation's coordinator (from uploads) both call it."""
+    per_client = {c: {**v, "raw": np.asarray(v["raw"], dtype=np.float64)} for c, v in per_client.items()}
     std, mean, sd = standardise({c: v["raw"] for c, v in per_client.items()})
     centroid_raw = np.mean([v["raw"] for v in per_client.values()], axis=0)
     centroid = (centroid_raw - mean) / sd
-    doc = {
+    return {
         "names": DESCRIPTOR_NAMES,
         "clients": {c: {"raw": v["raw"].tolist(), "standardised": std[c].tolist(), "tissue_pixels": v["tissue_pixels"],
                         "fallback": v["fallback"], "he_check": v["he_check"], "sample_ids": v["sample_ids"]}
@@ -162,23 +179,21 @@ def run_stain(manifest_csv: str | Path, cfg: Config, out_dir: str | Path) -> dic
         "fallback_clients": [c for c, v in per_client.items() if v["fallback"]],
         "not_he_like": [c for c, v in per_client.items() if v["he_check"] and not v["he_check"]["he_like"]],
     }
-    prov = provenance_block(STAGE, stage_block(cfg, STAGE), {"manifest": manifest_csv})
-    write_json(out / "descriptors.json", {**doc, "provenance": prov})
+
+
+def write_descriptors_csv(path: Path, doc: dict) -> None:
+    """``descriptors.csv``: raw and standardised rows per client, then the standardised centroid."""
 
     def table(tmp: Path) -> None:
         with tmp.open("w", newline="") as fh:
             w = csv.writer(fh, lineterminator="\n")
             w.writerow(["who", "kind", *DESCRIPTOR_NAMES])
-            for c, v in per_client.items():
-                w.writerow([c, "raw", *np.round(v["raw"], 6)])
-                w.writerow([c, "standardised", *np.round(std[c], 6)])
-            w.writerow(["centroid", "standardised", *np.round(centroid, 6)])
+            for c, v in doc["clients"].items():
+                w.writerow([c, "raw", *np.round(np.asarray(v["raw"]), 6)])
+                w.writerow([c, "standardised", *np.round(np.asarray(v["standardised"]), 6)])
+            w.writerow(["centroid", "standardised", *np.round(np.asarray(doc["centroid"]["standardised"]), 6)])
 
-    write_with(out / "descriptors.csv", table)
-    write_sidecar(out / "descriptors.csv", prov)
-    write_view_pairs(rows, cfg, out / "view_pairs.png")
-    write_sidecar(out / "view_pairs.png", prov)
-    return doc
+    write_with(path, table)
 
 
 def write_view_pairs(rows: list[dict], cfg: Config, path: Path, per_class: int = 2) -> None:

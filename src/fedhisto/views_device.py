@@ -104,7 +104,7 @@ class DeviceImages:
 
     @classmethod
     def from_split(cls, split, device: torch.device | str = "cpu") -> DeviceImages:
-        """From ``fedhisto.train.data.Split`` (its ``images``, in its order)."""
+        """From ``fedhisto.splits.Split`` (its ``images``, in its order)."""
         return cls(split.images, device)
 
     @property

@@ -6,6 +6,7 @@ from fedhisto.bootstrap import comparison_files
 from fedhisto.config import load_config
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
+from fedhisto.zoo import encoder_entry
 from fedhisto.stage_config import stage_block
 
 
@@ -66,25 +67,27 @@ def all_targets():
     ]
 
 
-HIBOU = CFG.model.encoder.name == "hibou-b"
+# Resource hints come from the encoder's registry entry (fedhisto.zoo, torch-free): a
+# foundation model asks for a GPU and hours, the tiny encoder runs on CPU in minutes.
+ENCODER_RESOURCES = encoder_entry(CFG.model.encoder.name).resources
 
 
 def train_mem_mb(wildcards):
-    return 24000 if HIBOU else 3000
+    return ENCODER_RESOURCES.train_mem_mb
 
 
 def train_runtime(wildcards):
-    return 720 if HIBOU else 30
+    return ENCODER_RESOURCES.train_runtime
 
 
 def train_gpu(wildcards):
-    """Training and inference of HIBOU-B ask for a GPU; the tiny encoder runs on CPU."""
-    return 1 if HIBOU else 0
+    """Training and inference of a foundation model ask for a GPU; the tiny encoder runs on CPU."""
+    return ENCODER_RESOURCES.gpu
 
 
 def predict_mem_mb(wildcards):
-    return 16000 if HIBOU else 2000
+    return ENCODER_RESOURCES.predict_mem_mb
 
 
 def predict_runtime(wildcards):
-    return 60 if HIBOU else 10
+    return ENCODER_RESOURCES.predict_runtime

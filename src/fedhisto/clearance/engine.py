@@ -42,6 +42,9 @@ class AuditResult:
     families: list[list[int]]
     stats: dict = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)
+    #: N x V dihedral PHashes (V = 8, or 1 without dihedral invariance): a site uploads them for the
+    #: coordinator's cross-site audit (federation.coordinator)
+    phashes: np.ndarray | None = None
 
 
 def _fingerprint(path: str) -> Fingerprint:
@@ -195,4 +198,4 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     if cfg.link_min_inliers is not None:
         stats["family_links"] = links
     log.info("clearance: %s", stats)
-    return AuditResult(digests, edges, fams, stats, failures)
+    return AuditResult(digests, edges, fams, stats, failures, hashes)

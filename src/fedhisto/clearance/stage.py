@@ -95,7 +95,7 @@ def _audit_json(result: AuditResult, cfg: ClearanceConfig, rows: list[SourceRow]
             a, b = rows[e["a"]], rows[e["b"]]
             key = " | ".join(sorted({f"{a.cohort}:{a.site}", f"{b.cohort}:{b.site}"}))
             per_boundary[key] += 1
-    return {"stats": result.stats, "thresholds": cfg.identity_block(),
+    return {"stats": result.stats, "thresholds": cfg.model_dump(mode="json"),
             "confirmed_edges_by_site_pair": dict(sorted(per_boundary.items())),
             "failures": result.failures, "label_conflicts": conflicts, "planted": planted}
 
@@ -131,7 +131,7 @@ def write_outputs(out: Path, rows: list[SourceRow], result: AuditResult, cfg: Cl
                              f"{result.failures[:5]} and {len(conflicts)} label-conflicting famil(ies) {conflicts[:5]}")
     edges = [{**e, "a": rows[e["a"]].relpath, "b": rows[e["b"]].relpath} for e in result.edges]
     out.mkdir(parents=True, exist_ok=True)
-    prov = provenance_block(STAGE, cfg.identity_block(), inputs or {})
+    prov = provenance_block(STAGE, cfg.model_dump(mode="json"), inputs or {})
     write_csv(out / "edges.csv", edges, EDGE_COLUMNS)
     write_csv(out / "families.csv", fams, FAMILY_COLUMNS)
     write_json(out / "audit.json", {**audit, "provenance": prov})

@@ -17,10 +17,11 @@ import torch
 from fedhisto import CLASSES
 from fedhisto.atomic import write_csv
 from fedhisto.config import Config
+from fedhisto.config_base import identity_dump
 from fedhisto.predict import load_run
 from fedhisto.predictions import PROB_COLUMNS
 from fedhisto.provenance import provenance_block, runtime_block, write_sidecar
-from fedhisto.train.data import load_split
+from fedhisto.splits import load_split
 from fedhisto.train.inference import predict
 from fedhisto.train.stage import descriptors_for
 
@@ -59,7 +60,7 @@ def predict_shifted(method: str, seed: int, train_dir: str | Path, manifest_csv:
         rows += [{"sample_id": sid, "tissue_id": tissue[sid], "severity": severity, "label": CLASSES[y],
                   **{c: f"{v:.8f}" for c, v in zip(PROB_COLUMNS, p, strict=True)}, "pred": CLASSES[int(p.argmax())]}
                  for sid, y, p in zip(split.ids, split.labels, probs, strict=True)]
-    prov = provenance_block(STAGE, {"method": method, "seed": seed, "views": cfg.views.model_dump(mode="json"),
+    prov = provenance_block(STAGE, {"method": method, "seed": seed, "views": identity_dump(cfg.views),
                                     "eval_batch": cfg.evaluate.eval_batch},
                             {"checkpoint": Path(train_dir) / "checkpoint.pt", "cohort": cohort_csv,
                              "descriptors": descriptors_json})

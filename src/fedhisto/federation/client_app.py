@@ -3,7 +3,7 @@
 =====================  ==========================================================================
 message type           what the site does (``site.Site``)
 =====================  ==========================================================================
-``query``              tells its site id and identity (stain descriptor, encoder digest)
+``query``              tells its site id and identity (stain descriptor, encoder digest, code identity)
 ``train.pre``          ``upload_before_training`` from the start state (FedStain's style statistics)
 ``train``              ``local_train`` from the start state with the method payload; returns the
                        trainable state, its sample count and losses
@@ -27,6 +27,7 @@ import traceback
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedhisto.code_identity import identity_strings
 from fedhisto.federation.records import (
     get_members,
     get_payload,
@@ -64,7 +65,8 @@ def hello(msg: Message, context: Context) -> Message:
     def fn() -> RecordDict:
         site, _ = _site(msg, context)
         ident = site.identity()
-        rd = RecordDict({"site": ConfigRecord({"site-id": site.sc.site, "encoder-digest": ident["encoder_digest"]})})
+        rd = RecordDict({"site": ConfigRecord({"site-id": site.sc.site, "encoder-digest": ident["encoder_digest"]}),
+                         "code": ConfigRecord(identity_strings())})  # code_identity.check_code on the server
         put_value(rd, "descriptor", ident["descriptor"])
         return rd
 
@@ -91,9 +93,10 @@ def train(msg: Message, context: Context) -> Message:
         result = site.train(record_state(msg.content["start"]), get_payload(msg.content), int(run["round"]),
                             int(run["k"]))
         rd = RecordDict({"state": state_record(result.state),
-                         "metrics": MetricRecord({"num-examples": int(result.n_samples)}),
+                         "metrics": MetricRecord({"num-examples": int(result.n_samples), "steps": int(result.steps)}),
                          "losses": MetricRecord({k: float(v) for k, v in result.losses.items()}),
-                         "identity": ConfigRecord({"encoder-digest": ident["encoder_digest"]})})
+                         "identity": ConfigRecord({"encoder-digest": ident["encoder_digest"]}),
+                         "code": ConfigRecord(identity_strings())})  # deployment has no query: checked here
         put_value(rd, "descriptor", ident["descriptor"])  # the server checks it against the run identity
         return rd
 

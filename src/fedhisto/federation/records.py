@@ -1,30 +1,26 @@
-"""What travels between the ServerApp and the ClientApps, as Flower records.
+"""What travels between the ServerApp and the ClientApps, as Flower records: one generic codec.
 
-Every tensor travels as an ``ArrayRecord`` (a state dict of numpy arrays; dtype and shape round-trip
-exactly, bool masks included), everything else as a ``MetricRecord`` (counts, metrics, losses) or a
-``ConfigRecord`` (round, site, kinds). One encoder per kind of value our method hooks exchange:
-
-- trainable states (LoRA A/B, adapters, FiLM, head): ``state``; the frozen encoder never travels;
-- ``ServerPrototypes`` (centroids, reliability, mask, counts) and ``ClientPrototypes``;
-- FedStain's ``StyleStats`` (a client's upload, and the pool the server sends back);
-- stain descriptors (one vector).
-
-A value is stored under a record-name prefix: ``{prefix}`` for its tensors and ``{prefix}#meta`` for
-what it is (``kind``), so a payload dict of several values (``configure_train``'s) becomes one
-RecordDict and decodes back to the same Python objects.
+Every tensor travels in an ``ArrayRecord`` (dtype and shape round-trip exactly, bool masks included);
+the structure around the tensors (dataclasses, dicts, lists, tuples, numbers, strings, None) travels
+as JSON in a ``ConfigRecord``. A hook value of any of those shapes is stored under a record-name
+prefix (``{prefix}`` for its tensors, ``{prefix}#meta`` for its structure), so a method's new upload
+or payload type needs no edit here. Dataclasses are rebuilt by import path, and only classes of the
+``fedhisto`` package (or its plugins' registered modules, ``ALLOWED_MODULES``) are: a message never
+makes a site import code of the sender's choosing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedhisto.fedmath.fedstain import StyleStats
-from fedhisto.fedmath.prototypes import ClientPrototypes, ServerPrototypes
-
-STYLE_FIELDS = ("pixel_mean", "pixel_std", "feat_skew", "feat_kurt")
+#: Module prefixes whose dataclasses may be rebuilt from a message.
+ALLOWED_MODULES = ["fedhisto."]
 
 
 def state_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
@@ -36,48 +32,76 @@ def record_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return dict(record.to_torch_state_dict())
 
 
+def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The JSON structure of ``value``; its tensors go into ``tensors`` under running keys."""
+    if value is None or isinstance(value, bool | str):
+        return {"t": "plain", "v": value}
+    if isinstance(value, int | float):
+        return {"t": type(value).__name__, "v": value}
+    if isinstance(value, torch.Tensor):
+        key = str(len(tensors))
+        tensors[key] = value
+        return {"t": "tensor", "k": key}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        return {"t": "dataclass", "cls": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f.name: _encode(getattr(value, f.name), tensors) for f in dataclasses.fields(value)}}
+    if isinstance(value, dict):
+        return {"t": "dict", "items": [[_encode(k, tensors), _encode(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, list | tuple):
+        return {"t": type(value).__name__, "items": [_encode(v, tensors) for v in value]}
+    raise TypeError(f"no record encoding for {type(value).__name__}: hook values are tensors, dataclasses, dicts, "
+                    "lists, tuples, numbers, strings or None")
+
+
+def _dataclass(path: str) -> type:
+    module, _, qualname = path.partition(":")
+    if not any(module == m.rstrip(".") or module.startswith(m) for m in ALLOWED_MODULES):
+        raise ValueError(f"refusing to rebuild {path}: not a dataclass of {', '.join(ALLOWED_MODULES)}")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not dataclasses.is_dataclass(obj):
+        raise ValueError(f"refusing to rebuild {path}: not a dataclass")
+    return obj
+
+
+def _decode(node: dict, tensors: dict[str, torch.Tensor]) -> Any:
+    kind = node["t"]
+    if kind == "plain":
+        return node["v"]
+    if kind == "int":
+        return int(node["v"])
+    if kind == "float":
+        return float(node["v"])
+    if kind == "tensor":
+        return tensors[node["k"]]
+    if kind == "dataclass":
+        return _dataclass(node["cls"])(**{k: _decode(v, tensors) for k, v in node["fields"].items()})
+    if kind == "dict":
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in node["items"]}
+    if kind in ("list", "tuple"):
+        items = [_decode(v, tensors) for v in node["items"]]
+        return items if kind == "list" else tuple(items)
+    raise ValueError(f"unknown record node kind {kind!r}")
+
+
 def put_value(rd: RecordDict, prefix: str, value: Any) -> None:
-    """Store one hook value (None, prototypes, style statistics, a tensor, a state dict) under ``prefix``."""
-    if value is None:
-        rd[f"{prefix}#meta"] = ConfigRecord({"kind": "none"})
-    elif isinstance(value, ServerPrototypes):
-        rd[prefix] = state_record(value.state())
-        rd[f"{prefix}#meta"] = ConfigRecord({"kind": "server_prototypes"})
-    elif isinstance(value, ClientPrototypes):
-        classes = sorted(value.centroids)
-        rd[prefix] = state_record({str(c): value.centroids[c] for c in classes})
-        rd[f"{prefix}#counts"] = MetricRecord({str(c): int(value.counts[c]) for c in sorted(value.counts)})
-        rd[f"{prefix}#meta"] = ConfigRecord({"kind": "client_prototypes"})
-    elif isinstance(value, StyleStats):
-        rd[prefix] = state_record({f: getattr(value, f) for f in STYLE_FIELDS})
-        rd[f"{prefix}#meta"] = ConfigRecord({"kind": "style_stats"})
-    elif isinstance(value, torch.Tensor):
-        rd[prefix] = state_record({"value": value})
-        rd[f"{prefix}#meta"] = ConfigRecord({"kind": "tensor"})
-    elif isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values()):
-        rd[prefix] = state_record(value)
-        rd[f"{prefix}#meta"] = ConfigRecord({"kind": "state"})
-    else:
-        raise TypeError(f"{prefix}: no record encoding for {type(value).__name__}")
+    """Store one hook value under ``prefix`` (its tensors, then its structure)."""
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        meta = _encode(value, tensors)
+    except TypeError as exc:
+        raise TypeError(f"{prefix}: {exc}") from None
+    if tensors:
+        rd[prefix] = state_record(tensors)
+    rd[f"{prefix}#meta"] = ConfigRecord({"json": json.dumps(meta)})
 
 
 def get_value(rd: RecordDict, prefix: str) -> Any:
-    kind = str(rd[f"{prefix}#meta"]["kind"])
-    if kind == "none":
-        return None
-    tensors = record_state(rd[prefix])
-    if kind == "server_prototypes":
-        return ServerPrototypes.from_state(tensors)
-    if kind == "client_prototypes":
-        counts = rd[f"{prefix}#counts"]
-        return ClientPrototypes({int(c): t for c, t in tensors.items()}, {int(c): int(n) for c, n in counts.items()})
-    if kind == "style_stats":
-        return StyleStats(*(tensors[f] for f in STYLE_FIELDS))
-    if kind == "tensor":
-        return tensors["value"]
-    if kind == "state":
-        return tensors
-    raise ValueError(f"{prefix}: unknown record kind {kind!r}")
+    meta = json.loads(str(rd[f"{prefix}#meta"]["json"]))
+    tensors = record_state(rd[prefix]) if prefix in rd else {}
+    return _decode(meta, tensors)
 
 
 def put_payload(rd: RecordDict, payload: dict[str, Any]) -> None:

@@ -1,12 +1,11 @@
-"""The server half of a federated run over messages: the engine's round, hook by hook, and its outputs.
+"""The server half of a federated run over messages: the one round driver with Flower participants.
 
-``FederatedRun.round`` is ``train.loop.train_round`` with each client step replaced by a message
-exchange (``Exchange.send``: one RecordDict per site out, the replies back): pre-round uploads
-(``train.pre``, only for a method that has them), ``configure_train``, local training (``train``),
-``client_weights`` + ``aggregate_train``, post-aggregation uploads and validation (``evaluate.post``).
-``FederatedRun.run`` is ``train.loop.run_rounds``: early stopping on the validation macro-F1, the
-best state kept apart, ``loop.save_checkpoint`` (atomic) after every round, resume from it, and the
-``ClientUnavailable`` rules. ``finalise`` writes what ``train.stage.run_train`` writes, so
+``FlowerParticipants`` implements ``train.loop.Participants`` by message exchange (``Exchange.send``:
+one RecordDict per site out, the replies back): pre-round uploads (``train.pre``, only for a method
+that has them), local training (``train``), and post-aggregation uploads with validation
+(``evaluate.post``). The rounds themselves (hook order, aggregation, early stopping, the best state
+kept apart, the atomic checkpoint, resume, the ``ClientUnavailable`` rules) are ``train.loop``'s, the
+same code the in-process engines run. ``finalise`` writes what ``train.stage.run_train`` writes, so
 results/train/{method}/seed{seed}/ is the same whichever engine made it.
 
 The server never opens an image: validation is computed by the *evaluation site* (run config
@@ -27,22 +26,16 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from fedhisto.atomic import write_json
+from fedhisto.code_identity import CodeMismatch, check_code
 from fedhisto.config import Config
 from fedhisto.federation.records import get_value, payload_bytes, put_members, put_payload, state_record
-from fedhisto.fedmath.aggregate import flat_update
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, descriptor_digest
 from fedhisto.provenance import provenance_block, runtime_block
 from fedhisto.stage_config import stage_block
-from fedhisto.train.loop import (
-    ClientFailure,
-    ClientUnavailable,
-    TooManyUnavailable,
-    close_round,
-    fresh_checkpoint,
-    start_or_resume,
-)
+from fedhisto.train.local import LocalResult
+from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable, run_rounds
 from fedhisto.train.stage import STAGE, finalise_run, run_identity
 
 log = logging.getLogger(__name__)
@@ -54,21 +47,8 @@ class Exchange(Protocol):
         """Send one RecordDict per site; return (replies by site, unavailable sites with why)."""
 
 
-def overrides(method: Method, hook: str) -> bool:
-    return getattr(type(method), hook) is not getattr(Method, hook)
-
-
-def has_pre_upload(method: Method) -> bool:
-    return overrides(method, "upload_before_training")
-
-
-def has_post_upload(method: Method) -> bool:
-    # the PAST family overrides the hook for every row but uploads only with prototypes
-    return overrides(method, "upload_after_aggregation") and getattr(method, "prototypes", "") != "none"
-
-
 def check_federable(method: Method, sites: list[str]) -> None:
-    if overrides(method, "participants") or method.members(sites) != [GLOBAL]:
+    if type(method).participants is not Method.participants or method.members(sites) != [GLOBAL]:
         raise ValueError(f"method {method.name!r} is not a federated method with one global model "
                          "(local_only and pooled run only on the in-process engine)")
 
@@ -134,84 +114,23 @@ class FederatedRun:
             raise ClientFailure(site, r, RuntimeError(f"its encoder digest {digest[:12]} differs from the run's "
                                                       f"{self.identity['encoder_digest'][:12]}"))
 
-    # ------------------------------------------------------------------ one round
-    def round(self, ex: Exchange, ckpt: dict, r: int) -> dict:
-        method, names, members = self.method, self.sites, ckpt["members"]
-        unavailable: dict[str, str] = {}
-        traffic: dict = {}
-        if has_pre_upload(method):
-            out = {}
-            for n in names:
-                rd = RecordDict({"run": self._run_record(n, r), "start": state_record(method.start_state(members, n))})
-                out[n] = rd
-            ok, unavailable = self._exchange(ex, "train.pre", out, r, traffic)
-            uploads = {n: get_value(ok[n], "upload") for n in names if n in ok}
-        else:
-            uploads = dict.fromkeys(names)
-        payloads = method.configure_train(r, ckpt["server_state"], uploads)
-        out = {}
-        for n in names:
-            if n in unavailable:
-                continue
-            rd = RecordDict({"run": self._run_record(n, r), "start": state_record(method.start_state(members, n))})
-            put_payload(rd, payloads[n])
-            out[n] = rd
-        ok, lost = self._exchange(ex, "train", out, r, traffic)
-        for n, why in lost.items():
-            log.warning("round %d: client %s unavailable: %s", r + 1, n, why)
-        unavailable.update(lost)
-        if not ok:
-            raise TooManyUnavailable(f"round {r + 1}: no participant returned an update ({sorted(unavailable)})")
-        for n in ok:
-            self._check_identity(n, ok[n], r)
-        returned = sorted(ok)
-        states = {n: dict(ok[n]["state"].to_torch_state_dict()) for n in returned}
-        counts = [int(ok[n]["metrics"]["num-examples"]) for n in returned]
-        reference = {n: method.start_state(members, n) for n in returned}
-        weights = method.client_weights(counts, [flat_update(states[n], reference[n]) for n in returned])
-        members = {**members, **method.aggregate_train(states, weights, self.model)}
-        # post-aggregation: uploads under the new model (prototypes) and, at the evaluation site, validation
-        upload = has_post_upload(method)
-        targets = sorted(set(returned if upload else []) | {self.eval_site})
-        out = {}
-        for n in targets:
-            rd = RecordDict({"run": self._run_record(n, r, upload=upload and n in returned,
-                                                     validate=n == self.eval_site, member=GLOBAL)})
-            put_members(rd, {GLOBAL: method.start_state(members, n)} if n != self.eval_site else members)
-            out[n] = rd
-        ok_post, lost_post = self._exchange(ex, "evaluate.post", out, r, traffic)
-        if self.eval_site not in ok_post:
-            raise ClientUnavailable(f"round {r + 1}: the evaluation site {self.eval_site} did not validate "
-                                    f"({lost_post.get(self.eval_site, 'no reply')}); resume when it is back")
-        after = {n: get_value(ok_post[n], "upload") for n in returned if n in ok_post and upload}
-        for n in returned:
-            if upload and n not in ok_post:  # trained, then lost before its upload: its round counts as unavailable
-                unavailable[n] = f"unavailable after aggregation: {lost_post.get(n, 'no reply')}"
-        server_state = method.aggregate_uploads(after) if any(v is not None for v in after.values()) else None
-        ckpt.update(members=members, server_state=server_state)
-        member_metrics = {k: float(v) for k, v in ok_post[self.eval_site]["validation"].items()}
-        return {"weights": dict(zip(returned, weights, strict=True)), "unavailable_clients": unavailable,
-                "losses": {n: dict(ok[n]["losses"]) for n in returned}, "member_metrics": member_metrics,
-                "engine": "flower", "phases": traffic}
-
     # ------------------------------------------------------------------ the run
     def run(self, ex: Exchange) -> dict:
+        """The rounds (``train.loop.run_rounds``) with this run's sites reached over ``ex``."""
         t = self.cfg.train
-        ckpt = start_or_resume(self.checkpoint, self.identity,
-                               lambda: fresh_checkpoint(self.model, self.method, self.sites, self.identity))
-        self._event(event="start", round=ckpt["round"])
-        while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
-            r = ckpt["round"]
-            start = time.perf_counter()
-            row = self.round(ex, ckpt, r)
-            member_metrics = row.pop("member_metrics")
-            val = close_round(ckpt, self.cfg, r, row, member_metrics, start, self.checkpoint)
+        parts = FlowerParticipants(self, ex)
+        self._event(event="start")
+
+        def after_round(ckpt: dict) -> None:
             if self.after_round is not None:
                 self.after_round()
-            self._event(event="checkpoint", round=r + 1, val=val, unavailable=sorted(row["unavailable_clients"]))
+            last = ckpt["history"][-1]
+            self._event(event="checkpoint", round=ckpt["round"], val=last["val_macro_f1"],
+                        unavailable=sorted(last["unavailable_clients"]))
             if self.pause and ckpt["round"] < t.max_rounds and not ckpt["stopped"]:
                 time.sleep(self.pause)  # a window between rounds (tests restart the SuperLink in it)
-        return ckpt
+
+        return run_rounds(self.method, parts, self.model, self.cfg, self.identity, self.checkpoint, after_round)
 
     # ------------------------------------------------------------------ outputs
     def summary(self) -> dict:
@@ -249,3 +168,58 @@ class FederatedRun:
                             {"dataset_identity": self.identity["dataset_identity"], "engine": "flower"})
 
 
+class FlowerParticipants:
+    """``train.loop.Participants`` over Flower messages to the run's sites."""
+
+    def __init__(self, run: FederatedRun, ex: Exchange) -> None:
+        self.run, self.ex = run, ex
+        self.names = run.sites
+        self.traffic: dict = {}
+
+    def _start(self, n: str, r: int, state: dict[str, torch.Tensor], **extra) -> RecordDict:
+        return RecordDict({"run": self.run._run_record(n, r, **extra), "start": state_record(state)})
+
+    def pre_upload(self, r, starts):
+        ok, lost = self.run._exchange(self.ex, "train.pre", {n: self._start(n, r, s) for n, s in starts.items()}, r,
+                                      self.traffic)
+        return {n: get_value(rd, "upload") for n, rd in ok.items()}, lost
+
+    def train(self, r, starts, payloads):
+        out = {}
+        for n, state in starts.items():
+            out[n] = self._start(n, r, state)
+            put_payload(out[n], payloads[n])
+        ok, lost = self.run._exchange(self.ex, "train", out, r, self.traffic)
+        for n in list(ok):
+            try:  # a site on other code is refused by name; its update is not used, the others' are
+                check_code(f"site {n}", dict(ok[n]["code"]) if "code" in ok[n] else None)
+            except CodeMismatch as exc:
+                log.warning("round %d: %s", r + 1, exc)
+                lost[n] = f"refused: {exc}"
+                del ok[n]
+        for n, rd in ok.items():
+            self.run._check_identity(n, rd, r)
+        return {n: LocalResult(dict(rd["state"].to_torch_state_dict()), int(rd["metrics"]["num-examples"]),
+                               dict(rd["losses"]), int(rd["metrics"]["steps"])) for n, rd in ok.items()}, lost
+
+    def post(self, r, members, uploaders):
+        """One ``evaluate.post`` per uploader (its start state under the new members) and to the evaluation
+        site (every member, and the validation flag); the evaluation site must answer."""
+        eval_site = self.run.eval_site
+        out = {}
+        for n in sorted({*uploaders, eval_site}):
+            rd = RecordDict({"run": self.run._run_record(n, r, upload=n in uploaders, validate=n == eval_site,
+                                                         member=GLOBAL)})
+            put_members(rd, members if n == eval_site else {GLOBAL: self.run.method.start_state(members, n)})
+            out[n] = rd
+        ok, lost = self.run._exchange(self.ex, "evaluate.post", out, r, self.traffic)
+        if eval_site not in ok:
+            raise ClientUnavailable(f"round {r + 1}: the evaluation site {eval_site} did not validate "
+                                    f"({lost.get(eval_site, 'no reply')}); resume when it is back")
+        after = {n: get_value(ok[n], "upload") for n in uploaders if n in ok}
+        metrics = {k: float(v) for k, v in ok[eval_site]["validation"].items()}
+        return after, {n: why for n, why in lost.items() if n in uploaders}, metrics
+
+    def row_extra(self) -> dict:
+        traffic, self.traffic = self.traffic, {}
+        return {"engine": "flower", "phases": traffic}

@@ -18,7 +18,6 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -28,10 +27,11 @@ from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, encoder_digest, pick_device
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split, _load
+from fedhisto.splits import Split, _load
 from fedhisto.train.inference import predict
 from fedhisto.train.local import LocalResult, local_train
-from fedhisto.train.loop import ClientUnavailable, validate_members
+from fedhisto.train.loop import ClientUnavailable
+from fedhisto.train.participants import validate_members
 
 _MODELS: dict[tuple, tuple[Method, FedHistoModel]] = {}
 _DATA: dict[tuple, Split] = {}
@@ -135,10 +135,8 @@ class Site:
         return load_site_split(self.sc.manifest, None, "validation", self.cfg.views.crop_size)
 
     def validate(self, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
-        """``train.loop.validate_members`` on the validation split, with the centroid descriptor."""
-        ctx = SimpleNamespace(model=self.model, validation=self.validation(), cfg=self.cfg, device=self.device,
-                              descriptors={"global": self.descriptors[GLOBAL]})
-        return validate_members(ctx, members)
+        """``train.participants.validate_members`` on the validation split, with the centroid descriptor."""
+        return validate_members(self.model, self.validation(), self.descriptors[GLOBAL], self.cfg, self.device, members)
 
     def predict_validation(self, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         val = self.validation()

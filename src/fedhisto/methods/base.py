@@ -15,9 +15,11 @@ One round, as the engines call the hooks:
    ``batch_inputs`` (the views), the forward, then ``terms_from_outputs`` (the loss): the batched
    engine (``train.batched``) calls those two halves around one encoder pass for every member, and
    applies ``restyle`` (feature restyling inside the encoder, FedStain's MixStyle) per member;
-3. server ``client_weights`` then ``aggregate_train``: the new state of every member;
-4. optional post-aggregation exchange (client ``upload_after_aggregation``, server
-   ``aggregate_uploads``, e.g. prototypes), kept as the method's server state for the next round.
+3. server ``client_weights`` then ``aggregate_train``: the new state of every member and the
+   method's server state (``RoundUpdate`` holds what came back; SCAFFOLD keeps control variates and
+   FedAdam its moments there);
+4. optional post-aggregation exchange (``post_uploads``: client ``upload_after_aggregation``, server
+   ``aggregate_uploads``, e.g. prototypes), folded into the server state for the next round.
 
 A *participant* is what trains in a round (a client; ``pooled`` has one); a *member* is a model the
 run keeps and evaluates (``global`` for a federated method; one per client for ``local_only``).
@@ -38,7 +40,7 @@ from fedhisto.config import Config
 from fedhisto.fedmath.aggregate import aggregate
 from fedhisto.fedmath.weights import SampleMass
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.views import training_views
 from fedhisto.views_device import device_views
 
@@ -66,6 +68,19 @@ class LocalRun:
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+
+
+@dataclass
+class RoundUpdate:
+    """What the server holds after local training in round ``round_idx``, per returned participant."""
+
+    round_idx: int
+    states: dict[str, dict[str, torch.Tensor]]   # trained states
+    starts: dict[str, dict[str, torch.Tensor]]   # the state each started the round from
+    counts: dict[str, int]                       # optimisation samples
+    steps: dict[str, int]                        # optimiser steps taken
+    weights: dict[str, float]                    # client_weights
+    server_state: Any                            # the method's server state before this round
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,8 @@ class Method:
     film: bool = False              # the model carries stain-conditioned FiLM
     paired_views: bool = False      # two stain views per image: micro-batch x accumulation, else one batch
     exchanges_model: bool = True    # the trainable state travels down and up every round (Table 8)
+    pre_uploads: bool = False       # participants upload before training (``upload_before_training``)
+    post_uploads: bool = False      # participants upload after aggregation (``upload_after_aggregation``)
 
     def __init__(self, name: str, cfg: Config, config_key: str | None = None, **options: Any) -> None:
         if options:
@@ -152,8 +169,18 @@ class Method:
     # ------------------------------------------------------------------ setup
     @property
     def settings(self):
-        """The method family's config block (``train.<config_key>``), or None."""
-        return getattr(self.cfg.train, self.config_key) if self.config_key else None
+        """The method family's config block (``train.<config_key>``) as its registered settings class, or
+        None. The config holds it as a model rebuilt from the stored schema (``methods.settings``); here
+        the method's own class validates it once more."""
+        if not self.config_key:
+            return None
+        if "_settings" not in self.__dict__:
+            from fedhisto.methods import registration
+
+            block = getattr(self.cfg.train, self.config_key)
+            cls = registration(self.name).settings_class()
+            self._settings = cls.model_validate(block.model_dump()) if cls is not None else block
+        return self._settings
 
     def participants(self, clients: dict[str, Split]) -> dict[str, Split]:
         """What trains in a round (default: every client on its own optimisation set)."""
@@ -193,21 +220,24 @@ class Method:
         """Server: aggregation weights a_k of the returned participants (default: sample mass)."""
         return SampleMass()(counts, updates)
 
-    def aggregate_train(self, states: dict[str, dict[str, torch.Tensor]], weights: Sequence[float],
-                        model: FedHistoModel) -> dict[str, dict[str, torch.Tensor]]:
-        """Server: the new member states from the returned states. Default: delta-SVD for LoRA pairs
-        and the weighted mean for the rest (``fedmath.aggregate``)."""
-        names = list(states)
-        return {GLOBAL: aggregate([states[n] for n in names], weights, model.lora_scaling, self.cfg.model.lora_r)}
+    def aggregate_train(self, update: RoundUpdate, model: FedHistoModel
+                        ) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+        """Server: the new member states and server state from what came back. Default: delta-SVD for
+        LoRA pairs and the weighted mean for the rest (``fedmath.aggregate``); server state unchanged."""
+        names = list(update.states)
+        merged = aggregate([update.states[n] for n in names], [update.weights[n] for n in names],
+                           model.lora_scaling, self.cfg.model.lora_r)
+        return {GLOBAL: merged}, update.server_state
 
     def upload_after_aggregation(self, model: FedHistoModel, data: Split, descriptor: torch.Tensor | None,
                                  device: torch.device) -> Any | None:
         """Client, with the new global model loaded: an upload for the server state (default: none)."""
         return None
 
-    def aggregate_uploads(self, uploads: dict[str, Any]) -> Any | None:
-        """Server: the method state kept for the next round from the post-aggregation uploads."""
-        return None
+    def aggregate_uploads(self, uploads: dict[str, Any], server_state: Any) -> Any:
+        """Server (``post_uploads`` only): the server state for the next round from the
+        post-aggregation uploads and the state ``aggregate_train`` left."""
+        return server_state
 
     # ----------------------------------------------------------- client half
     @contextmanager
@@ -228,10 +258,13 @@ class Method:
         return BatchInputs([torch.stack([v[k] for v in views]) for k in range(len(views[0]))])
 
     def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
-        """The named loss terms of one micro-batch; the engine sums them and back-propagates."""
+        """The named loss terms of one micro-batch; the engine sums them and back-propagates. The views
+        are forwarded one at a time, each restyled as its spec says (``restyle_views``)."""
         inputs = self.batch_inputs(run, batch)
-        with run.autocast():
-            outs = [run.model(x.to(run.device), run.descriptor) for x in inputs.views]
+        outs = []
+        for k, x in enumerate(inputs.views):
+            with run.autocast(), restyle_views(run.model, self, [(0, x.shape[0], inputs.spec(k))]):
+                outs.append(run.model(x.to(run.device), run.descriptor))
         return self.terms_from_outputs(run, batch, [o[0].float() for o in outs], [o[1].float() for o in outs])
 
     def terms_from_outputs(self, run: LocalRun, batch: Batch, logits: list[torch.Tensor],
@@ -259,10 +292,42 @@ class Method:
         return {}
 
     # ----------------------------------------------------------- accounting
-    def extra_traffic_bytes(self, dim: int, availability: dict[str, list[bool]],
-                            optimisation_sizes: dict[str, int]) -> dict[str, int]:
-        """Bytes per round beyond the model exchange, by message kind (Table 8)."""
+    def extra_traffic_bytes(self, dim: int, availability: dict[str, list[bool]], optimisation_sizes: dict[str, int],
+                            payload_bytes: int) -> dict[str, int]:
+        """Bytes per round beyond the model exchange, by message kind (Table 8): ``dim`` is the embedding
+        width, ``payload_bytes`` the trainable state's size (one copy) in float32."""
         return {}
+
+
+def restyle_output(method: Method, output: Any, groups: Sequence[tuple[int, int, Any]]) -> Any:
+    """A block's output with each row group [start, end) that carries a spec restyled by
+    ``method.restyle`` (None: unchanged); tuple outputs (transformers blocks) keep their tail."""
+    if all(spec is None for *_, spec in groups):
+        return None
+    hidden = output[0] if isinstance(output, tuple) else output
+    parts = [hidden[s:e] if spec is None else method.restyle(hidden[s:e], spec) for s, e, spec in groups]
+    mixed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+
+
+@contextmanager
+def restyle_views(model: FedHistoModel, method: Method, groups: Any) -> Iterator[None]:
+    """Within: the method's restyle block (``restyle_layer``) restyles the row groups of every forward.
+    ``groups``: [(start, end, spec)], or a callable returning them at each forward (the batched engine's
+    layout changes per step). The one restyle hook of both engines."""
+    layer = method.restyle_layer()
+    if layer is None:
+        yield
+        return
+    blocks = model.encoder_blocks()
+    if not 0 <= layer < len(blocks):
+        raise ValueError(f"{method.name}: restyle block {layer} does not exist (the encoder has {len(blocks)} blocks)")
+    handle = blocks[layer].register_forward_hook(
+        lambda _module, _inputs, output: restyle_output(method, output, groups() if callable(groups) else groups))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def zero_descriptors(participants: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -13,13 +13,15 @@ token features of the ViT here. Pixel statistics for RandStain are taken in RGB 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from fedhisto.config import Config, ViewsConfig
+from fedhisto.config_base import Strict
 from fedhisto.fedmath.fedstain import (
     StyleStats,
     augmix,
@@ -42,50 +44,48 @@ from fedhisto.methods.base import (
     named_rng,
 )
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.views import eval_view, training_views
 
 
-class FeatureStyle:
-    """A forward hook on one encoder block that either records or restyles its token features."""
+class FedStainConfig(Strict):
+    """The FedStain comparator (SPEC section 11). The paper sets alpha and beta by grid search and
+    prints no values: the defaults weigh its two alignment terms like the study's v2 weighs its own
+    (feature 0.10, JS 0.25), so neither method gets more auxiliary pull."""
+
+    upload_ratio: float = Field(0.1, gt=0, le=1, description="r: fraction of local samples whose statistics are uploaded")
+    weight_supcon: float = Field(0.10, ge=0, description="alpha: representation alignment (SupCon) weight")
+    weight_js: float = Field(0.25, ge=0, description="beta: prediction alignment (JS over four views) weight")
+    supcon_tau: float = Field(0.1, gt=0)
+    mixstyle_alpha: float = Field(0.1, gt=0, description="lambda ~ Beta(alpha, alpha) in MixStyle")
+    mixstyle_after_layer: int = Field(0, ge=0, description="encoder block whose output tokens MixStyle restyles")
+    augmix_width: int = Field(3, ge=1)
+    augmix_depth: int = Field(3, ge=1)
+    # ablation switches: a switched-off augmentation leaves its view(s) as the plain view X
+    randstain: bool = True
+    augmix: bool = True
+    mixstyle: bool = True
+    protocol: Literal["study", "paper"] = Field(
+        "study", description="study: the study's optimiser/lr/epochs/batch; paper: FedStain's own (paper_* keys)")
+    paper_lr: float = Field(1e-4, gt=0)
+    paper_lr_end: float = Field(2.5e-6, gt=0)
+    paper_local_epochs: int = Field(3, ge=1)
+    paper_batch: int = Field(32, ge=2)
+
+class FeatureCapture:
+    """A forward hook on one encoder block that records skewness and kurtosis of its token features."""
 
     def __init__(self, model: FedHistoModel, after_layer: int) -> None:
-        blocks = model.encoder.encoder.layer
+        blocks = model.encoder_blocks()
         if not 0 <= after_layer < len(blocks):
             raise ValueError(f"train.fedstain.mixstyle_after_layer={after_layer}: the encoder has {len(blocks)} blocks")
-        self.mode: str | None = None
         self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.pool: StyleStats | None = None
-        self.rng: np.random.Generator | None = None
-        self.alpha = 0.1
         self._handle = blocks[after_layer].register_forward_hook(self._hook)
 
     def _hook(self, _module, _inputs, output):
         hidden = output[0] if isinstance(output, tuple) else output
-        channels_first = hidden.transpose(1, 2)  # (B, C, tokens)
-        if self.mode == "capture":
-            _, _, skew, kurt = channel_moments(channels_first.detach())
-            self.captured = (skew.cpu(), kurt.cpu())
-        elif self.mode == "mix":
-            mixed = restyle_tokens(hidden, self.pool, self.rng, self.alpha)
-            return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
-        return None
-
-    @contextmanager
-    def mixing(self, pool: StyleStats, rng: np.random.Generator, alpha: float) -> Iterator[None]:
-        self.mode, self.pool, self.rng, self.alpha = "mix", pool, rng, alpha
-        try:
-            yield
-        finally:
-            self.mode, self.pool, self.rng = None, None, None
-
-    @contextmanager
-    def capturing(self) -> Iterator[None]:
-        self.mode, self.captured = "capture", None
-        try:
-            yield
-        finally:
-            self.mode = None
+        _, _, skew, kurt = channel_moments(hidden.transpose(1, 2).detach())  # (B, C, tokens)
+        self.captured = (skew.cpu(), kurt.cpu())
 
     def remove(self) -> None:
         self._handle.remove()
@@ -97,8 +97,8 @@ def restyle_tokens(hidden: torch.Tensor, pool: StyleStats, rng: np.random.Genera
 
 
 @contextmanager
-def feature_style(model: FedHistoModel, after_layer: int) -> Iterator[FeatureStyle]:
-    hook = FeatureStyle(model, after_layer)
+def feature_capture(model: FedHistoModel, after_layer: int) -> Iterator[FeatureCapture]:
+    hook = FeatureCapture(model, after_layer)
     try:
         yield hook
     finally:
@@ -133,7 +133,7 @@ def client_style_statistics(model: FedHistoModel, global_state: dict[str, torch.
     mu, sd, _, _ = channel_moments(to_unit(pixels, cfg.views))
     model.load_trainable_state(global_state)
     model.eval()
-    with feature_style(model, fs.mixstyle_after_layer) as hook, hook.capturing():
+    with feature_capture(model, fs.mixstyle_after_layer) as hook:
         model.embed(pixels.to(device))
     skew, kurt = hook.captured
     return StyleStats(mu, sd, skew, kurt)
@@ -167,22 +167,6 @@ def fedstain_loss(logits: list[torch.Tensor], zs: list[torch.Tensor], y: torch.T
     }
 
 
-def fedstain_terms(model: FedHistoModel, hook: FeatureStyle, x: torch.Tensor, y: torch.Tensor, pool: StyleStats,
-                   ce_weights: torch.Tensor, cfg: Config, rng: np.random.Generator,
-                   device: torch.device, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
-    """Stage (b) for one batch: the four views (``fedstain_views``) forwarded one at a time, MixStyle
-    through ``hook`` on the views that carry its spec, then ``fedstain_loss``."""
-    inputs = fedstain_views(x, pool, cfg, rng)
-    logits, zs = [], []
-    for k, view in enumerate(inputs.views):
-        spec = inputs.spec(k)
-        with hook.mixing(*spec) if spec is not None else nullcontext():
-            lg, z = model(view.to(device))
-        logits.append(lg.float())
-        zs.append(z.float())
-    return fedstain_loss(logits, zs, y, ce_weights, cfg, nominal_batch)
-
-
 class FedStain(Method):
     """Server: pools every client's uploaded statistics and sends each client the pool without its own
     rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Client: statistics of ceil(r n_i) images
@@ -201,17 +185,13 @@ class FedStain(Method):
         lr = fs.paper_lr + (fs.paper_lr_end - fs.paper_lr) * min(round_idx, span) / span
         return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1)
 
+    pre_uploads = True
+
     def upload_before_training(self, model, start_state, data, rng, device) -> StyleStats:
         return client_style_statistics(model, start_state, data, self.cfg, rng, device)
 
     def configure_train(self, round_idx, server_state, uploads: dict[str, Any]):
         return {name: {"style_pool": pool_excluding(uploads, name)} for name in uploads}
-
-    @contextmanager
-    def local_session(self, run: LocalRun) -> Iterator[None]:
-        with feature_style(run.model, self.settings.mixstyle_after_layer) as hook:
-            run.scratch["hook"] = hook
-            yield
 
     @staticmethod
     def plain_views(run: LocalRun, batch: Batch) -> tuple[torch.Tensor, np.random.Generator]:
@@ -224,13 +204,7 @@ class FedStain(Method):
                                         False, stain_single=False)[0] for i in batch.idx])
         return x, named_rng("style_views", run.seed, run.round_idx, run.client_idx, batch.epoch, batch.number)
 
-    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
-        x, rng = self.plain_views(run, batch)
-        with run.autocast():
-            return fedstain_terms(run.model, run.scratch["hook"], x, batch.y, run.payload["style_pool"],
-                                  run.ce_weights, run.cfg, rng, run.device, run.nominal_batch)
-
-    # the batched engine's half: the same views and loss, MixStyle applied per member by the engine
+    # the views and the loss of one batch; the engines forward the views, MixStyle acting through restyle()
     def batch_inputs(self, run: LocalRun, batch: Batch) -> BatchInputs:
         x, rng = self.plain_views(run, batch)
         return fedstain_views(x, run.payload["style_pool"], run.cfg, rng)
@@ -245,5 +219,5 @@ class FedStain(Method):
     def restyle(self, hidden: torch.Tensor, spec) -> torch.Tensor:
         return restyle_tokens(hidden, *spec)
 
-    def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
+    def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio)}

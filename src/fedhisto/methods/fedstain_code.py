@@ -16,13 +16,12 @@ taken on the evaluation view of the sampled images.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 import torch
+from pydantic import Field
 
-from fedhisto.config import Config, FedStainCodeConfig
+from fedhisto.config import Config
+from fedhisto.config_base import Strict
 from fedhisto.fedmath.fedstain import augmix, js_multi, representation_alignment, style_traffic
 from fedhisto.fedmath.fedstain_code import (
     PixelMoments,
@@ -34,7 +33,7 @@ from fedhisto.fedmath.fedstain_code import (
 from fedhisto.methods.base import Batch, BatchInputs, LocalRun, Method, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 from fedhisto.views import eval_view
 
 #: the code's JS clamps the mixture distribution at 1e-7
@@ -51,6 +50,22 @@ def client_pixel_moments(data: Split, cfg: Config, rng: np.random.Generator) -> 
     s = cfg.train.fedstain_code
     _, _, skew, kurt = pixel_moments(pixels, clamp=s.moment_clamp)
     return PixelMoments(skew, kurt)
+
+
+class FedStainCodeConfig(Strict):
+    """FedStain as its authors' public code runs it (docs/fedstain.md): pixel skewness/kurtosis, a 0.1 x
+    per-channel pixel shift, AugMix; three views; CE + lambda2 JS + lambda1 SupCon, both 0.1 in the code."""
+
+    upload_ratio: float = Field(0.1, gt=0, le=1, description="r: statistics of floor(r n_i) local images per round")
+    shift_scale: float = Field(0.1, ge=0, description="the code's style_factor: pixel shift per unit moment change")
+    mixstyle_alpha: float = Field(0.1, gt=0, description="lambda ~ Beta(alpha, alpha) mixing own and pooled moments")
+    moment_clamp: float = Field(10.0, gt=0, description="skewness, kurtosis and shifted pixels clamped to +-this")
+    weight_supcon: float = Field(0.10, ge=0, description="lambda1: SupCon of each generated view against the original")
+    weight_js: float = Field(0.10, ge=0, description="lambda2: JS across the three views' predictions")
+    supcon_tau: float = Field(0.1, gt=0)
+    augmix_width: int = Field(3, ge=1)
+    augmix_depth: int = Field(3, ge=1)
+    augmix: bool = Field(True, description="ablation switch: off leaves the generated views as shifted pixels")
 
 
 def generated_views(x: torch.Tensor, pool: PixelMoments, settings: FedStainCodeConfig, cfg: Config,
@@ -103,17 +118,7 @@ class FedStainCode(FedStain):
     def local_schedule(self, round_idx: int):
         return Method.local_schedule(self, round_idx)  # the study's protocol (no paper switch here)
 
-    @contextmanager
-    def local_session(self, run: LocalRun) -> Iterator[None]:
-        yield
-
-    def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
-        x, rng = self.plain_views(run, batch)
-        with run.autocast():
-            return fedstain_code_terms(run.model, x, batch.y, run.payload["style_pool"], run.ce_weights, run.cfg,
-                                       rng, run.device, run.nominal_batch)
-
-    # the batched engine's half: the same three views and loss; nothing restyles features
+    # three views and the code's loss; nothing restyles features
     def batch_inputs(self, run: LocalRun, batch: Batch) -> BatchInputs:
         x, rng = self.plain_views(run, batch)
         return BatchInputs([x, *generated_views(x, run.payload["style_pool"], self.settings, run.cfg, rng)])
@@ -124,7 +129,7 @@ class FedStainCode(FedStain):
     def restyle_layer(self) -> int | None:
         return None
 
-    def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
+    def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         """Up: floor(r n_i) rows of 3 pixel skewness + 3 pixel kurtosis floats; down: the others' rows."""
         return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio,
                                                   pixel_floats=6, feature_floats_per_channel=0,

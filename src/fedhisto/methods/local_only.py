@@ -23,5 +23,5 @@ class LocalOnly(Method):
     def start_state(self, members, participant):
         return members[participant]
 
-    def aggregate_train(self, states, weights, model):
-        return dict(states)  # no exchange: each returned client's state is its model
+    def aggregate_train(self, update, model):
+        return dict(update.states), update.server_state  # no exchange: each returned client's state is its model

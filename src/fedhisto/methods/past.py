@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+from pydantic import Field
 
+from fedhisto.config_base import Strict
 from fedhisto.fedmath.losses import feature_consistency, js_divergence, prototype_v1, prototype_v2, proximal
 from fedhisto.fedmath.prototypes import (
     ClientPrototypes,
@@ -26,8 +28,21 @@ from fedhisto.fedmath.prototypes import (
 from fedhisto.fedmath.weights import Adaptive, SampleMass
 from fedhisto.methods.base import Batch, LocalRun, Method, client_descriptors, zero_descriptors
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
-from fedhisto.train.data import Split, eval_batches
+from fedhisto.splits import Split, eval_batches
 
+
+class PastConfig(Strict):
+    """The study's method family (FedAvg-PEFT .. PAST v2 and ablations): its loss weights and server rules."""
+
+    weight_js: float = Field(0.25, ge=0, description="JS consistency between the two stain views")
+    weight_feat: float = Field(0.10, ge=0, description="feature consistency (cosine distance)")
+    weight_proto: float = Field(0.05, ge=0, description="prototype term (v1 attraction, v2 reliability+margin)")
+    proto_margin: float = 0.20
+    proto_max_images: int = Field(256, ge=1)
+    adaptive_floor: float = Field(0.03, ge=0, lt=0.2)
+    fedprox_mu: float = Field(0.001, ge=0)
+    reliability: Literal["study", "bounded"] = Field(
+        "study", description="prototype reliability: the study's formula, or [ours] one scale for 1 and 2+ contributors")
 
 class PastFamily(Method):
     def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
@@ -93,14 +108,16 @@ class PastFamily(Method):
             ys.append(y)
         return client_prototypes(torch.cat(zs), torch.cat(ys), N_CLASSES)
 
-    def aggregate_uploads(self, uploads: dict[str, Any]) -> dict | None:
-        if self.prototypes == "none":
-            return None
+    @property
+    def post_uploads(self) -> bool:  # prototype rows upload centroids under the new model
+        return self.prototypes != "none"
+
+    def aggregate_uploads(self, uploads: dict[str, Any], server_state: Any) -> dict:
         got = [uploads[n] for n in sorted(uploads)]
         dim = next(v.numel() for u in got for v in u.centroids.values())
         return aggregate_prototypes(got, N_CLASSES, dim, variant=self.settings.reliability).state()
 
-    def extra_traffic_bytes(self, dim, availability, optimisation_sizes):
+    def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         if self.prototypes == "none":
             return {}
         return {"prototype": prototype_traffic(dim, availability).total_bytes}

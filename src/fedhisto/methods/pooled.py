@@ -9,7 +9,7 @@ encoder, adapters, objective (class-balanced CE on one plain view, as ``fedavg_p
 from __future__ import annotations
 
 from fedhisto.methods.base import GLOBAL, Method
-from fedhisto.train.data import Split
+from fedhisto.splits import Split
 
 POOLED = "pooled"
 
@@ -25,5 +25,5 @@ class Pooled(Method):
     def client_weights(self, counts, updates) -> list[float]:
         return [1.0]
 
-    def aggregate_train(self, states, weights, model):
-        return {GLOBAL: states[POOLED]}
+    def aggregate_train(self, update, model):
+        return {GLOBAL: update.states[POOLED]}, update.server_state

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
 
 import torch
 
 from fedhisto.config import Config
-from fedhisto.methods.base import Method
 from fedhisto.model.encoder import load_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.provenance import canonical_json, config_hash, digest_path
@@ -31,7 +31,8 @@ def set_determinism() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def build_model(cfg: Config, method: Method, seed: int, encoder_dir: str | None) -> FedHistoModel:
+def build_model(cfg: Config, method: Any, seed: int, encoder_dir: str | None) -> FedHistoModel:
+    """``method``: the run's ``methods.base.Method`` (its ``film`` decides the FiLM module)."""
     torch.manual_seed(0)  # a random (non-pretrained) encoder must be identical across runs
     encoder = load_encoder(cfg.model.encoder, encoder_dir)
     torch.manual_seed(seed)  # LoRA A and head initialisation follow the run seed

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from fedhisto.config import ModelConfig
-from fedhisto.methods import registration
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel, parameter_counts
+from fedhisto.registry import registration
 
 
 def meta_model(encoder: str, method: str, cfg: ModelConfig | None = None) -> FedHistoModel:
+    """Any registry entry, giants included: the meta device allocates nothing."""
     cfg = cfg or ModelConfig()
     with torch.device("meta"):
         return FedHistoModel(random_encoder(encoder), cfg, film=registration(method).attribute("film", False))

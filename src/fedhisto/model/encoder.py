@@ -1,78 +1,105 @@
-"""Frozen ViT encoders of the DINOv2-with-registers family.
+"""The frozen encoder at run time: any entry of the registry (``fedhisto.zoo``).
 
-HIBOU-B (``histai/hibou-b``) has exactly the shape of transformers'
-``Dinov2WithRegistersModel`` with hidden 768, 12 layers, 12 heads, patch 14, image 224,
-4 register tokens and a SwiGLU FFN (85,741,056 parameters). Its checkpoint is mapped into
-that class: key names of the repository's own code and of older transformers releases are
-translated to the installed release's names and loaded strictly, so a missing or surplus
-tensor is an error, never a silent random initialisation.
+``FrozenEncoder`` is the one interface the rest of the code uses: ``embed(pixels) -> (B, dim)``
+pooled as the entry says, ``blocks()`` (FedStain restyles after block k), ``dim``, and the full
+module names LoRA attaches to. The backbone itself (``.module``) is a plain transformers or timm
+module, so checkpoints keep the library's own tensor names.
+
+Loading is strict, from a local folder (``save_pretrained`` output or a hub snapshot) or the pinned
+hub revision: the checkpoint's keys are mapped from the hub's layout onto the built module
+(``families``), and a missing or surplus tensor, a wrong shape or a folder of another architecture
+is an ``EncoderLoadError`` naming the folder and the tensor, never a silent random initialisation.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import torch
-from transformers import Dinov2WithRegistersConfig, Dinov2WithRegistersModel
+from torch import nn
 
 from fedhisto.config import EncoderConfig
+from fedhisto.model.families import FAMILIES, EncoderLoadError
+from fedhisto.zoo import ENCODERS, EncoderEntry, encoder_entry
 
-#: Architecture of each supported encoder. ``tiny`` is the same family at CPU size.
-ENCODER_SHAPES: dict[str, dict] = {
-    "hibou-b": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "patch_size": 14,
-                "image_size": 224, "num_register_tokens": 4, "use_swiglu_ffn": True, "mlp_ratio": 4},
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "patch_size": 8,
-             "image_size": 48, "num_register_tokens": 4, "use_swiglu_ffn": True, "mlp_ratio": 4},
-}
+__all__ = ["ENCODERS", "EncoderLoadError", "FrozenEncoder", "load_encoder", "load_encoder_folder", "random_encoder"]
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-class EncoderLoadError(RuntimeError):
-    """The encoder could not be loaded as configured (names the folder, file or tensor)."""
+def pooled_embedding(entry: EncoderEntry, module: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """(B, entry.dim): the CLS token, or CLS concatenated with the mean patch token (registers excluded)."""
+    tokens = FAMILIES[entry.family].tokens(entry, module, pixels)
+    cls = tokens[:, 0]
+    if entry.pooling == "cls":
+        return cls
+    return torch.cat([cls, tokens[:, entry.prefix_tokens:].mean(dim=1)], dim=-1)
 
 
-def encoder_config(name: str) -> Dinov2WithRegistersConfig:
-    return Dinov2WithRegistersConfig(**ENCODER_SHAPES[name])
+def encoder_blocks(entry: EncoderEntry, module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks in order, reached through the entry's ``blocks_path``."""
+    current = module
+    for part in entry.blocks_path.split("."):
+        current = getattr(current, part)
+    return list(current)
 
 
-def random_encoder(name: str) -> Dinov2WithRegistersModel:
-    return Dinov2WithRegistersModel(encoder_config(name))
+def lora_module_names(entry: EncoderEntry, module: nn.Module, targets: list[str]) -> list[str]:
+    """Full names of the modules LoRA attaches to for the paper's target names (query/key/value/
+    attention_output), as the entry spells them for its library."""
+    unknown = [t for t in targets if t not in entry.lora_suffixes]
+    if unknown:
+        raise ValueError(f"unknown LoRA target {unknown[0]!r}; allowed: {', '.join(entry.lora_suffixes)}")
+    qkv = {"query", "key", "value"}
+    if entry.fused_qkv and qkv & set(targets) and not qkv <= set(targets):
+        raise ValueError(f"{entry.name}: query, key and value share timm's fused attn.qkv projection, so LoRA "
+                         f"adapts all three or none; model.lora_targets lists only {sorted(qkv & set(targets))}")
+    names = [n for n, _ in module.named_modules()]
+    found: set[str] = set()
+    for target in targets:
+        hits = [n for n in names if n.endswith(entry.lora_suffixes[target])]
+        if not hits:
+            raise ValueError(f"LoRA target {target!r} matches no module of the {entry.name} encoder")
+        found.update(hits)
+    return sorted(found)
 
 
-# Older transformers releases and the HIBOU repository name things differently from the
-# installed release; translate to the names the instantiated model uses.
-_RENAMES = [
-    (r"\.attention\.attention\.query\.", ".attention.q_proj."),
-    (r"\.attention\.attention\.key\.", ".attention.k_proj."),
-    (r"\.attention\.attention\.value\.", ".attention.v_proj."),
-    (r"\.attention\.output\.dense\.", ".attention.o_proj."),
-    (r"\.mlp\.weights_out\.", ".mlp.down_proj."),
-]
-_PREFIXES = ("dinov2.", "model.", "backbone.", "encoder_model.")
+class FrozenEncoder:
+    """A backbone module with its registry entry."""
+
+    def __init__(self, module: nn.Module, entry: EncoderEntry) -> None:
+        self.module = module
+        self.entry = entry
+
+    @property
+    def dim(self) -> int:
+        return self.entry.dim
+
+    def tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        return FAMILIES[self.entry.family].tokens(self.entry, self.module, pixels)
+
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pooled_embedding(self.entry, self.module, pixels)
+
+    def blocks(self) -> list[nn.Module]:
+        return encoder_blocks(self.entry, self.module)
+
+    def lora_module_names(self, targets: list[str]) -> list[str]:
+        return lora_module_names(self.entry, self.module, targets)
+
+    def save(self, folder: str | Path) -> None:
+        """A folder ``load_encoder_folder`` reads back strictly (the family's hub layout)."""
+        FAMILIES[self.entry.family].save(self.entry, self.module, Path(folder))
+
+    def parameters(self):
+        return self.module.parameters()
 
 
-_TOP_LEVEL = ("embeddings.", "encoder.", "layernorm.")
-
-
-def translate_state_dict(state: dict[str, torch.Tensor], target_keys: set[str]) -> dict[str, torch.Tensor]:
-    """Map checkpoint keys onto the installed release's names (identity when they already match)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        while not key.startswith(_TOP_LEVEL) and key.startswith(_PREFIXES):
-            key = key.split(".", 1)[1]  # wrapper prefixes such as "dinov2." or "model."
-        if key in target_keys:
-            out[key] = value
-        elif ".mlp.weights_in." in key:  # fused SwiGLU input: first half gates, second half is the value path
-            gate, up = value.chunk(2, dim=0)
-            out[key.replace(".mlp.weights_in.", ".mlp.gate_proj.")] = gate
-            out[key.replace(".mlp.weights_in.", ".mlp.up_proj.")] = up
-        else:
-            for pattern, repl in _RENAMES:
-                key = re.sub(pattern, repl, key)
-            out[key] = value
-    return out
+def random_encoder(name: str, depth: int | None = None) -> FrozenEncoder:
+    """The entry's exact architecture, randomly initialised (``depth`` overrides the block count, for
+    forwards of giant models in tests)."""
+    entry = encoder_entry(name)
+    return FrozenEncoder(FAMILIES[entry.family].build(entry, depth), entry)
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -88,69 +115,70 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
                            "random initialisation is refused")
 
 
-def check_shape(folder: Path, name: str) -> None:
-    """The folder's config.json must describe the expected architecture."""
-    cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise EncoderLoadError(f"{cfg_path} not found: not a model folder")
-    found = json.loads(cfg_path.read_text())
-    expected = ENCODER_SHAPES[name]
-    wrong = {k: (found.get(k), v) for k, v in expected.items() if k in found and found.get(k) != v}
-    if wrong:
-        detail = ", ".join(f"{k}={got!r} (expected {want!r})" for k, (got, want) in wrong.items())
-        raise EncoderLoadError(f"{cfg_path}: not a {name} encoder: {detail}")
+def _listing(keys: list[str]) -> str:
+    return f"{keys[:6]}{'...' if len(keys) > 6 else ''} ({len(keys)})"
 
 
-def load_encoder_folder(folder: str | Path, name: str) -> Dinov2WithRegistersModel:
-    """Load a local snapshot (``save_pretrained`` output or a hub snapshot) into the target class."""
+def load_encoder_folder(folder: str | Path, name: str, depth: int | None = None) -> FrozenEncoder:
+    """Load a local snapshot into the entry's architecture, strictly (``depth``: the entry built with
+    fewer blocks, as ``random_encoder``, for round trips of giant models in tests)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise EncoderLoadError(f"encoder folder not found: {folder}")
-    check_shape(folder, name)
-    model = random_encoder(name)
-    target = model.state_dict()
-    state = translate_state_dict(_read_weights(folder), set(target))
+    entry = encoder_entry(name)
+    family = FAMILIES[entry.family]
+    family.check_folder(entry, folder, depth)
+    encoder = random_encoder(name, depth)
+    target = encoder.module.state_dict()
+    state = family.translate(entry, _read_weights(folder), set(target))
+    state = {k: v for k, v in state.items() if not k.startswith(entry.ignore_keys or ("\0",))}
     missing = sorted(set(target) - set(state))
     unexpected = sorted(set(state) - set(target))
     if missing or unexpected:
-        raise EncoderLoadError(f"{folder}: checkpoint does not fit {name}: missing {missing[:6]}"
-                               f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
-                               f"{'...' if len(unexpected) > 6 else ''}")
-    bad = [k for k in target if tuple(state[k].shape) != tuple(target[k].shape)]
+        raise EncoderLoadError(f"{folder}: checkpoint does not fit {name} ({entry.architecture}): missing "
+                               f"{_listing(missing) if missing else '[]'}, unexpected "
+                               f"{_listing(unexpected) if unexpected else '[]'}")
+    bad = [f"{k} {tuple(state[k].shape)} (expected {tuple(target[k].shape)})" for k in target
+           if tuple(state[k].shape) != tuple(target[k].shape)]
     if bad:
-        raise EncoderLoadError(f"{folder}: tensor shapes differ for {bad[:6]}")
-    model.load_state_dict(state, strict=True)
-    return model
+        raise EncoderLoadError(f"{folder}: tensor shapes differ from {name}: {bad[:4]}")
+    encoder.module.load_state_dict(state, strict=True)
+    return encoder
 
 
-def hub_snapshot(repo_id: str, revision: str) -> Path:
+def hub_snapshot(entry: EncoderEntry, repo_id: str, revision: str | None) -> Path:
     """Download (or find in the local cache) the pinned revision of a hub repository."""
+    if revision is None:
+        raise EncoderLoadError(f"encoder {entry.name!r}: no revision of {repo_id} is pinned ({entry.revision_note}); "
+                               f"{entry.get_started()}")
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo_id=repo_id, revision=revision,
                                       allow_patterns=["*.json", "*.safetensors", "*.bin"]))
     except Exception as exc:  # network, auth or missing revision: say which repository and revision
-        raise EncoderLoadError(f"cannot fetch {repo_id}@{revision}: {exc}; set model.encoder.local_dir "
-                               "to a downloaded snapshot") from exc
+        raise EncoderLoadError(f"cannot fetch {repo_id}@{revision}: {exc}; {entry.get_started()}") from exc
 
 
-def load_encoder(cfg: EncoderConfig, pretrained_dir: str | Path | None = None) -> Dinov2WithRegistersModel:
+def load_encoder(cfg: EncoderConfig, pretrained_dir: str | Path | None = None) -> FrozenEncoder:
     """The frozen encoder: local folder, pipeline-pretrained tiny encoder, or pinned hub revision.
 
     ``pretrained_dir`` is the pipeline's own pretraining output (tiny encoder). With
-    ``require_pretrained`` false a random encoder is allowed (never for HIBOU-B).
+    ``require_pretrained`` false a random encoder is allowed, only for an entry without a hub
+    repository (the tiny one): a hub model is always loaded with its weights.
     """
+    entry = encoder_entry(cfg.name)
     folder = cfg.local_dir or pretrained_dir
     if folder is not None:
-        model = load_encoder_folder(folder, cfg.name)
-    elif cfg.name == "hibou-b":
-        model = load_encoder_folder(hub_snapshot(cfg.repo_id, cfg.revision), cfg.name)
+        encoder = load_encoder_folder(folder, cfg.name)
+    elif entry.hub_id is not None:
+        encoder = load_encoder_folder(hub_snapshot(entry, cfg.repo_id, cfg.revision), cfg.name)
     elif cfg.require_pretrained:
         raise EncoderLoadError(f"encoder '{cfg.name}' requires pretrained weights: set model.encoder.local_dir "
-                               "or let the pipeline pretrain it")
+                               "or let the pipeline pretrain it (model.pretrain.enabled)")
     else:
-        model = random_encoder(cfg.name)
-    for p in model.parameters():
+        encoder = random_encoder(cfg.name)
+    for p in encoder.module.parameters():
         p.requires_grad_(False)
-    return model.eval()
+    encoder.module.eval()
+    return encoder

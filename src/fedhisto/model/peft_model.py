@@ -1,6 +1,7 @@
 """The trainable pathway on a frozen encoder: LoRA (through peft), residual adapter, FiLM, classifier.
 
-pixels -> frozen encoder with LoRA on attention query/key/value/output -> CLS embedding
+pixels -> frozen encoder with LoRA on attention query/key/value/output -> pooled embedding (CLS, or
+CLS + mean patch token, as the encoder's registry entry says)
 -> residual adapter -> FiLM(stain descriptor) -> adapted embedding z -> linear classifier.
 z feeds the classifier, feature consistency and the prototypes. Both stain views share every module.
 """
@@ -12,18 +13,10 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from fedhisto.config import ModelConfig
+from fedhisto.model.encoder import FrozenEncoder, encoder_blocks, pooled_embedding
 
 DESCRIPTOR_DIM = 14
 N_CLASSES = 3
-
-#: Paper names of the LoRA targets -> module-name suffixes in each transformers naming scheme.
-LORA_TARGET_SUFFIXES = {
-    "query": ("attention.q_proj", "attention.attention.query"),
-    "key": ("attention.k_proj", "attention.attention.key"),
-    "value": ("attention.v_proj", "attention.attention.value"),
-    "attention_output": ("attention.o_proj", "attention.output.dense"),
-}
-
 
 class ResidualAdapter(nn.Module):
     """x + W2 dropout(act(W1 LayerNorm(x))): 768 -> 256 -> 768 with the study's shape."""
@@ -61,38 +54,42 @@ class FiLM(nn.Module):
         return z * (1 + self.scale * gamma) + self.scale * beta
 
 
-def lora_target_modules(encoder: nn.Module, targets: list[str]) -> list[str]:
-    """Full names of the encoder modules LoRA attaches to, whichever naming the release uses."""
-    names = [n for n, _ in encoder.named_modules()]
-    found: list[str] = []
-    for target in targets:
-        if target not in LORA_TARGET_SUFFIXES:
-            raise ValueError(f"unknown LoRA target {target!r}; allowed: {', '.join(LORA_TARGET_SUFFIXES)}")
-        hits = [n for n in names if n.endswith(LORA_TARGET_SUFFIXES[target])]
-        if not hits:
-            raise ValueError(f"LoRA target {target!r} matches no module of the encoder")
-        found += hits
-    return sorted(found)
+def lora_target_modules(encoder: FrozenEncoder, targets: list[str]) -> list[str]:
+    """Full names of the encoder modules LoRA attaches to, as the encoder's registry entry names them."""
+    return encoder.lora_module_names(targets)
 
 
 class FedHistoModel(nn.Module):
-    def __init__(self, encoder: nn.Module, cfg: ModelConfig, film: bool) -> None:
+    """``encoder`` (the backbone module, with LoRA injected) keeps its library's tensor names, so the
+    trainable state's names are the library's; what the model does with it (pooling, blocks) is
+    asked of the registry entry through ``encoder_embedding`` and ``encoder_blocks``."""
+
+    def __init__(self, encoder: FrozenEncoder, cfg: ModelConfig, film: bool) -> None:
         super().__init__()
         for p in encoder.parameters():
             p.requires_grad_(False)
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=lora_target_modules(encoder, cfg.lora_targets), bias="none")
-        self.encoder = inject_adapter_in_model(lora, encoder)
+        self.encoder = inject_adapter_in_model(lora, encoder.module)
+        self.encoder_entry = encoder.entry
         for name, p in self.encoder.named_parameters():
             p.requires_grad_("lora_" in name)
-        dim = encoder.config.hidden_size
+        dim = encoder.dim
         self.adapter = ResidualAdapter(dim, cfg.adapter_hidden, cfg.adapter_dropout)
         self.film = FiLM(dim, cfg.film_hidden, cfg.film_scale) if film else None
         self.classifier = nn.Linear(dim, N_CLASSES)
         self.lora_scaling = cfg.lora_alpha / cfg.lora_r
 
-    def embed(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> torch.Tensor:
-        cls = self.encoder(pixel_values=pixels).pooler_output
+    def encoder_embedding(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The frozen encoder's (LoRA-adapted) embedding (B, dim), pooled as its registry entry says."""
+        return pooled_embedding(self.encoder_entry, self.encoder, pixels)
+
+    def encoder_blocks(self) -> list[nn.Module]:
+        """The encoder's transformer blocks in order (FedStain's restyling hooks one of them)."""
+        return encoder_blocks(self.encoder_entry, self.encoder)
+
+    def adapt(self, cls: torch.Tensor, descriptor: torch.Tensor | None = None) -> torch.Tensor:
+        """The adapted embedding z of encoder embeddings: residual adapter, then FiLM."""
         z = self.adapter(cls)
         if self.film is not None:
             if descriptor is None:
@@ -100,9 +97,16 @@ class FedHistoModel(nn.Module):
             z = self.film(z, descriptor.to(z.dtype).expand(z.shape[0], -1))
         return z
 
-    def forward(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.embed(pixels, descriptor)
+    def head(self, cls: torch.Tensor, descriptor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, z) of encoder embeddings: the one definition of the pathway after the encoder."""
+        z = self.adapt(cls, descriptor)
         return self.classifier(z), z
+
+    def embed(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> torch.Tensor:
+        return self.adapt(self.encoder_embedding(pixels), descriptor)
+
+    def forward(self, pixels: torch.Tensor, descriptor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(self.encoder_embedding(pixels), descriptor)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Exactly what is exchanged and checkpointed: the trainable tensors, detached."""

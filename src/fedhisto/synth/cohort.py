@@ -22,9 +22,9 @@ from tqdm import tqdm
 from fedhisto import CLASSES
 from fedhisto.atomic import write_bytes, write_csv
 from fedhisto.config import SyntheticCohort
+from fedhisto.profiles import PROFILES
 from fedhisto.sources import SourceRow
 from fedhisto.synth.families import encode_jpeg, make_copy
-from fedhisto.synth.profiles import PROFILES
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 

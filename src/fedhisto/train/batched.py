@@ -7,7 +7,8 @@ micro-batch step runs ONE forward/backward of the frozen encoder over all active
 
 - LoRA: each targeted ``Linear`` adds its member's low-rank delta, ``(x_m A_m^T) B_m^T * scaling``,
   as batched matmuls over (member, rows) groups (``lora_members``);
-- residual adapter, FiLM and classifier: batched matmuls over the same groups (``head_forward``);
+- residual adapter, FiLM and classifier: the model's own modules (``FedHistoModel.head``) called with
+  each group's member tensors (``member_heads``, by ``torch.func.functional_call``);
 - feature restyling (FedStain's MixStyle) is applied to each member's rows with that member's random
   stream (``Method.restyle``);
 - loss terms per member come from the method's own ``batch_inputs`` / ``terms_from_outputs``, so
@@ -35,26 +36,19 @@ import torch
 import torch.nn.functional as F
 
 from fedhisto.config import Config
-from fedhisto.fedmath.losses import class_balanced_weights
-from fedhisto.methods.base import Batch, LocalRun, Method, named_rng
+from fedhisto.methods.base import Batch, Method, restyle_views
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
-from fedhisto.train.local import LocalResult
-
-HEAD_PREFIXES = ("adapter.", "film.", "classifier.")
-
-
-@dataclass
-class MemberJob:
-    """One participant's local training of one round, as ``local_train`` takes it."""
-
-    start_state: dict[str, torch.Tensor]
-    data: Split
-    descriptor: torch.Tensor | None
-    payload: dict[str, Any]
-    seed: int
-    round_idx: int
-    client_idx: int
+from fedhisto.train.plan import (
+    LocalResult,
+    LossMeans,
+    MemberJob,
+    batch_of,
+    check_optimizer,
+    epoch_batches,
+    local_run,
+    seed_round,
+    steps_now,
+)
 
 
 @dataclass
@@ -147,13 +141,6 @@ def _lora_modules(model: FedHistoModel) -> dict[str, tuple[torch.nn.Module, str,
     return out
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (G, n, in) @ weight (G, out, in)^T + bias (G, out): one linear layer per group."""
-    if bias is None:
-        return torch.bmm(x, weight.transpose(1, 2))
-    return torch.baddbmm(bias[:, None, :], x, weight.transpose(1, 2))
-
-
 @contextmanager
 def lora_members(model: FedHistoModel, params: dict[str, torch.Tensor], layout: Layout) -> Iterator[None]:
     """Within: every LoRA layer adds the delta of the member each row group belongs to."""
@@ -186,48 +173,34 @@ def lora_members(model: FedHistoModel, params: dict[str, torch.Tensor], layout: 
             del module.forward
 
 
-@contextmanager
-def member_restyle(model: FedHistoModel, method: Method, layout: Layout) -> Iterator[None]:
-    """A forward hook on the method's restyle block that restyles each group that carries a spec."""
-    layer = method.restyle_layer()
-    if layer is None:
-        yield
-        return
-
-    def hook(_module, _inputs, output):
-        if all(s is None for s in layout.specs):
-            return None
-        hidden = output[0] if isinstance(output, tuple) else output
-        parts = []
-        for (_m, s, e), spec in zip(layout.spans(), layout.specs, strict=True):
-            parts.append(hidden[s:e] if spec is None else method.restyle(hidden[s:e], spec))
-        mixed = torch.cat(parts)
-        return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
-
-    handle = model.encoder.encoder.layer[layer].register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
+def member_restyle(model: FedHistoModel, method: Method, layout: Layout):
+    """``methods.base.restyle_views`` over the layout's (member, view) row groups, each with its spec."""
+    return restyle_views(model, method, lambda: [(s, e, spec) for (_m, s, e), spec
+                                                 in zip(layout.spans(), layout.specs, strict=True)])
 
 
-def head_forward(model: FedHistoModel, params: dict[str, torch.Tensor], cls: torch.Tensor,
-                 descriptor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adapter, FiLM and classifier of G members at once: cls (G, n, d), params (G, ...), descriptor
-    (G, 1, 14) or None. Returns logits (G, n, classes) and z (G, n, d), as ``FedHistoModel.forward``."""
-    ad = model.adapter
-    h = F.layer_norm(cls, cls.shape[-1:], eps=ad.norm.eps)
-    h = h * params["adapter.norm.weight"][:, None] + params["adapter.norm.bias"][:, None]
-    h = _grouped_linear(h, params["adapter.down.weight"], params["adapter.down.bias"])
-    h = F.dropout(F.gelu(h), ad.drop.p, model.training)
-    z = cls + _grouped_linear(h, params["adapter.up.weight"], params["adapter.up.bias"])
-    if model.film is not None:
-        if descriptor is None:
-            raise ValueError("this model has FiLM: pass a stain descriptor (zeros for FiLM-Zero)")
-        f = F.gelu(_grouped_linear(descriptor.to(z.dtype), params["film.hidden.weight"], params["film.hidden.bias"]))
-        gamma, beta = _grouped_linear(f, params["film.out.weight"], params["film.out.bias"]).chunk(2, dim=-1)
-        z = z * (1 + model.film.scale * gamma) + model.film.scale * beta
-    return _grouped_linear(z, params["classifier.weight"], params["classifier.bias"]), z
+class _Head(torch.nn.Module):
+    """The model's pathway after the encoder (``FedHistoModel.head``) as a module, so one member's
+    head tensors can be swapped in by ``torch.func.functional_call``."""
+
+    def __init__(self, model: FedHistoModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, cls: torch.Tensor, descriptor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.head(cls, descriptor)
+
+
+def member_heads(model: FedHistoModel, params: dict[str, torch.Tensor], layout: Layout, cls: torch.Tensor,
+                 descriptors: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row group's member head (adapter, FiLM, classifier: the model's own modules, with that
+    member's tensors). Returns logits and z in row order."""
+    head = _Head(model)
+    names = [n for n in params if not n.startswith("encoder.")]
+    outs = [torch.func.functional_call(head, {f"model.{n}": params[n][m] for n in names},
+                                       (cls[s:e], descriptors[m] if descriptors is not None else None))
+            for m, s, e in layout.spans()]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
 @contextmanager
@@ -247,19 +220,11 @@ def stacked_forward(model: FedHistoModel, method: Method, params: dict[str, torc
     params: member-stacked trainable tensors (M, ...); descriptors: (M, 1, 14) or None.
     Returns logits (N, classes) and z (N, d) in row order."""
     if patched:
-        cls = model.encoder(pixel_values=pixels).pooler_output
+        cls = model.encoder_embedding(pixels)
     else:
         with member_pathway(model, method, params, layout):
-            cls = model.encoder(pixel_values=pixels).pooler_output
-    head = {n: p for n, p in params.items() if n.startswith(HEAD_PREFIXES)}
-    if layout.uniform:
-        g = {n: p[layout.index] for n, p in head.items()}
-        d = descriptors[layout.index] if descriptors is not None else None
-        logits, z = head_forward(model, g, cls.reshape(len(layout.sizes), -1, cls.shape[-1]), d)
-        return logits.reshape(-1, logits.shape[-1]), z.reshape(-1, z.shape[-1])
-    outs = [head_forward(model, {n: p[m:m + 1] for n, p in head.items()}, cls[None, s:e],
-                         descriptors[m:m + 1] if descriptors is not None else None) for m, s, e in layout.spans()]
-    return torch.cat([o[0][0] for o in outs]), torch.cat([o[1][0] for o in outs])
+            cls = model.encoder_embedding(pixels)
+    return member_heads(model, params, layout, cls, descriptors)
 
 
 # ---------------------------------------------------------------------------- engine
@@ -272,48 +237,34 @@ def stack_states(states: Sequence[dict[str, torch.Tensor]], device: torch.device
 def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[MemberJob], cfg: Config,
                         device: torch.device) -> list[LocalResult]:
     """``local_train`` for every job at once; returns one ``LocalResult`` per job, in order."""
-    t = cfg.train
     if not jobs:
         return []
     plan = method.local_schedule(jobs[0].round_idx)
-    if plan.optimizer != "adamw":
-        raise NotImplementedError(f"{method.name}: the batched engine implements AdamW, this schedule asks for "
-                                  f"{plan.optimizer!r}; use train.engine: sequential")
-    torch.manual_seed(int(named_rng("torch", jobs[0].seed, jobs[0].round_idx, jobs[0].client_idx).integers(2**62)))
+    check_optimizer(method, plan, ("adamw",), "batched")
+    seed_round(jobs[0])  # one dropout stream for the whole stack
     model.train()
     n_members = len(jobs)
     params = stack_states([j.start_state for j in jobs], device)
     opt = StackedAdamW(params, plan.lr, plan.weight_decay)
     descriptors = (torch.stack([j.descriptor.to(device)[None] for j in jobs])
                    if all(j.descriptor is not None for j in jobs) else None)
-    runs = [LocalRun(model=model, data=j.data,
-                     descriptor=j.descriptor.to(device)[None] if j.descriptor is not None else None,
-                     payload=j.payload, start_state={k: v.to(device) for k, v in j.start_state.items()},
-                     params={}, ce_weights=class_balanced_weights(j.data.class_counts(), t.cb_beta, t.cb_cap).to(device),
-                     nominal_batch=plan.micro_batch, cfg=cfg, seed=j.seed, round_idx=j.round_idx, client_idx=j.client_idx, device=device)
-            for j in jobs]
-    micro, accum = plan.micro_batch, plan.accumulation
-    sums: list[dict[str, torch.Tensor]] = [{} for _ in jobs]
-    steps = [0] * n_members
+    runs = [local_run(model, j, cfg, plan, device, {}) for j in jobs]
+    losses = [LossMeans() for _ in jobs]
+    updates = [0] * n_members
     autocast = runs[0].autocast
     with ExitStack() as stack:
         for run in runs:
             stack.enter_context(method.local_session(run))
         for epoch in range(plan.epochs):
-            batches = []
-            for j in jobs:
-                order = named_rng("order", j.seed, j.round_idx, j.client_idx, epoch).permutation(len(j.data))
-                batches.append([order[i:i + micro] for i in range(0, len(order), micro)])
+            batches = [epoch_batches(j, epoch, plan.micro_batch) for j in jobs]
             for b in range(max(len(x) for x in batches)):
                 active = [m for m in range(n_members) if b < len(batches[m])]
                 members_batches: dict[int, Batch] = {}
                 inputs = {}
                 slices = {n: p.unbind(0) for n, p in params.items()}
                 for m in active:
-                    j, idx = jobs[m], batches[m][b]
                     runs[m].params = {n: s[m] for n, s in slices.items()}
-                    y = torch.tensor([j.data.labels[i] for i in idx], device=device)
-                    members_batches[m] = Batch(idx, y, epoch, j.round_idx * plan.epochs + epoch, b)
+                    members_batches[m] = batch_of(jobs[m], plan, epoch, b, batches[m][b], device)
                     inputs[m] = method.batch_inputs(runs[m], members_batches[m])
                 n_views = len(inputs[active[0]].views)
                 layout = Layout()
@@ -337,22 +288,15 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 total = 0
                 for m in active:
                     terms = method.terms_from_outputs(runs[m], members_batches[m], *per_member[m])
-                    total = total + sum(terms.values()) / accum
-                    for k, v in terms.items():
-                        acc = sums[m].get(k)
-                        sums[m][k] = v.detach() if acc is None else acc + v.detach()
-                    steps[m] += 1
+                    total = total + sum(terms.values()) / plan.accumulation
+                    losses[m].add(terms)
                 total.backward()
-                due = [m in active and ((b + 1) % accum == 0 or b + 1 == len(batches[m])) for m in range(n_members)]
+                due = [m in active and steps_now(b, len(batches[m]), plan.accumulation) for m in range(n_members)]
                 if any(due):
                     mask = torch.tensor(due, device=device)
-                    clip_per_member(params, t.grad_clip, mask)
+                    clip_per_member(params, cfg.train.grad_clip, mask)
                     opt.step(mask)
                     opt.zero_grad(mask)
-    out = []
-    for m, j in enumerate(jobs):
-        state = {n: p[m].detach().clone() for n, p in params.items()}
-        losses = {k: float(v) / max(steps[m], 1) for k, v in sums[m].items()}
-        out.append(LocalResult(state, len(j.data), losses))
-    return out
-
+                    updates = [u + int(d) for u, d in zip(updates, due, strict=True)]
+    return [LocalResult({n: p[m].detach().clone() for n, p in params.items()}, len(j.data), losses[m].means(),
+                        updates[m]) for m, j in enumerate(jobs)]

@@ -6,7 +6,7 @@ import torch
 
 from fedhisto.config import Config
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
-from fedhisto.train.data import Split, eval_batches
+from fedhisto.splits import Split, eval_batches
 
 
 @torch.no_grad()

@@ -1,11 +1,18 @@
-"""The in-process federated round loop, with early stopping and an atomic checkpoint after every round.
+"""The one round driver: hook order, aggregation, early stopping, best state, checkpoints and the
+unavailability rules, whoever the participants are and however they are reached.
 
 Round t, in the order of the method hooks (``methods.base``): participants upload what the server
 needs to configure the round (FedStain's style statistics), the server sends each its start state and
-payload, each trains ``local_epochs`` epochs, the server weights what came back and aggregates, then
-(prototype methods) participants upload centroids under the new model and the server keeps them as
-its method state. The global-validation macro-F1 (the mean over members for ``local_only``) decides
-early stopping; the best member states and method state are kept apart from the latest.
+payload, each trains, the server weights what came back and aggregates (``aggregate_train``, which
+may also update the method's server state: SCAFFOLD's control variates, FedAdam's moments), then
+(prototype methods) participants upload under the new model and the server folds that into its
+state (``aggregate_uploads``). The global-validation macro-F1 (the mean over members for
+``local_only``) decides early stopping; the best member states and server state are kept apart from
+the latest.
+
+*How* participants are reached is a ``Participants`` object (``train.participants``): in-process one
+after the other, in-process batched in one encoder pass, or over Flower messages
+(``federation.server``). The driver never knows which.
 
 Failures are counted, never absorbed: only a declared unavailability (``ClientUnavailable``: a site
 that cannot be reached or whose data cannot be read) is tolerated, recorded per round and bounded by
@@ -22,22 +29,22 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fedhisto.atomic import atomic_path
 from fedhisto.config import Config
-from fedhisto.evaluation import macro_f1 as macro_f1_of
 from fedhisto.fedmath.aggregate import flat_update
-from fedhisto.methods.base import Method, named_rng
+from fedhisto.methods.base import Method, RoundUpdate
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split
-from fedhisto.train.inference import predict
-from fedhisto.train.local import local_train
+from fedhisto.progress import progress
+from fedhisto.train.local import LocalResult
+
+State = dict[str, torch.Tensor]
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 2
@@ -64,23 +71,6 @@ class TooManyUnavailable(RuntimeError):
     """More tolerated client-rounds than ``train.max_unavailable_client_rounds`` allows."""
 
 
-@dataclass
-class RunContext:
-    model: FedHistoModel
-    method: Method
-    clients: dict[str, Split]                      # participants of a round (method.participants)
-    validation: Split
-    descriptors: dict[str, torch.Tensor | None]    # per participant, and "global" for validation/test/external
-    cfg: Config
-    seed: int
-    identity: dict
-    device: torch.device
-    checkpoint: Path
-    stop_after_round: int | None = None            # for tests: simulate a kill after this round
-    client_fault: dict = field(default_factory=dict)  # for tests: {round index: client} declared unavailable
-    client_error: dict = field(default_factory=dict)  # for tests: {round index: client} raises a plain error
-
-
 def save_checkpoint(path: Path, ckpt: dict) -> None:
     ckpt = {**ckpt, "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                             "torch": torch.get_rng_state()}}
@@ -102,19 +92,6 @@ def load_checkpoint(path: Path, identity: dict) -> dict | None:
     np.random.set_state(ckpt["rng"]["numpy"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     return ckpt
-
-
-def macro_f1(probs: torch.Tensor, labels: list[int]) -> float:
-    return macro_f1_of(labels, probs.argmax(1).cpu().numpy())  # the package's one macro-F1 (fedhisto.evaluation)
-
-
-def validate_members(ctx: RunContext, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
-    out = {}
-    for name, state in members.items():
-        ctx.model.load_trainable_state(state)
-        out[name] = macro_f1(predict(ctx.model, ctx.validation, ctx.descriptors["global"], ctx.cfg, ctx.device),
-                             ctx.validation.labels)
-    return out
 
 
 def fresh_checkpoint(model: FedHistoModel, method: Method, participants: list[str], identity: dict) -> dict:
@@ -164,104 +141,86 @@ def unavailable_so_far(ckpt: dict) -> int:
     return sum(len(h["unavailable_clients"]) for h in ckpt["history"])
 
 
-def _client_step(ctx: RunContext, name: str, round_idx: int, fn, inject: bool = True):
-    """Run one client's step; a declared unavailability passes through, anything else names the client."""
-    try:
-        if inject and ctx.client_fault.get(round_idx) == name:
-            raise ClientUnavailable(f"injected unavailability of {name} in round {round_idx + 1}")
-        if inject and ctx.client_error.get(round_idx) == name:
-            raise RuntimeError(f"injected error in {name}, round {round_idx + 1}")
-        return fn()
-    except ClientUnavailable:
-        raise
-    except Exception as exc:
-        raise ClientFailure(name, round_idx, exc) from exc
+class Participants(Protocol):
+    """How the driver reaches the participants of a run. Each call returns what came back by name and
+    the participants that were unavailable (name -> why); any other failure raises ``ClientFailure``."""
+
+    names: list[str]
+
+    def pre_upload(self, r: int, starts: dict[str, State]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Client ``upload_before_training`` of each named participant from its start state."""
+
+    def train(self, r: int, starts: dict[str, State], payloads: dict[str, dict]
+              ) -> tuple[dict[str, LocalResult], dict[str, str]]:
+        """Local training of each named participant from its start state with its payload."""
+
+    def post(self, r: int, members: dict[str, State], uploaders: list[str]
+             ) -> tuple[dict[str, Any], dict[str, str], dict[str, float]]:
+        """With the new member states: ``upload_after_aggregation`` of ``uploaders`` and the validation
+        macro-F1 of every member. Returns (uploads, unavailable, member metrics)."""
+
+    def row_extra(self) -> dict:
+        """What this transport adds to the round's history row (e.g. message timings)."""
 
 
-def _batched_clients(ctx: RunContext, members: dict, payloads: dict, unavailable: dict[str, str], r: int) -> dict:
-    """Every available client's local epochs in one batched pass (``train.batched``); injected faults
-    are resolved per client first, an error inside the pass names every client of it."""
-    from fedhisto.train.batched import MemberJob, batched_local_train
-
-    method, names = ctx.method, sorted(ctx.clients)
-    jobs, order = [], []
-    for k, name in enumerate(names):
-        if name in unavailable:
-            continue
-        try:
-            _client_step(ctx, name, r, lambda: None)
-        except ClientUnavailable as exc:
-            log.warning("round %d: client %s unavailable: %s", r + 1, name, exc)
-            unavailable[name] = str(exc)
-            continue
-        jobs.append(MemberJob(method.start_state(members, name), ctx.clients[name], ctx.descriptors[name],
-                              payloads[name], ctx.seed, r, k))
-        order.append(name)
-    if not jobs:
-        return {}
-    out = _client_step(ctx, ",".join(order), r, lambda: batched_local_train(method, ctx.model, jobs, ctx.cfg,
-                                                                            ctx.device), inject=False)
-    return dict(zip(order, out, strict=True))
-
-
-def train_round(ctx: RunContext, ckpt: dict, r: int) -> dict:
-    """One round; returns the history row and updates ``ckpt`` (members, server state)."""
-    method, names = ctx.method, sorted(ctx.clients)
-    members = ckpt["members"]
+def run_round(method: Method, parts: Participants, ckpt: dict, r: int, model: FedHistoModel) -> tuple[dict, dict]:
+    """One round; updates ``ckpt`` (members, server state) and returns (history row, member metrics)."""
+    names, members = parts.names, ckpt["members"]
     unavailable: dict[str, str] = {}
-    uploads = {}
-    for k, name in enumerate(names):
-        try:
-            uploads[name] = _client_step(ctx, name, r, lambda name=name, k=k: method.upload_before_training(
-                ctx.model, method.start_state(members, name), ctx.clients[name],
-                named_rng("style_sample", ctx.seed, r, k), ctx.device), inject=False)
-        except ClientUnavailable as exc:
-            unavailable[name] = str(exc)
+    if method.pre_uploads:
+        uploads, lost = parts.pre_upload(r, {n: method.start_state(members, n) for n in names})
+        unavailable.update(lost)
+    else:
+        uploads = dict.fromkeys(names)
     payloads = method.configure_train(r, ckpt["server_state"], uploads)
-    results = {}
-    if ctx.cfg.train.engine == "batched":
-        results = _batched_clients(ctx, members, payloads, unavailable, r)
-    for k, name in enumerate(names):
-        if name in unavailable or ctx.cfg.train.engine == "batched":
-            continue
-        try:
-            results[name] = _client_step(ctx, name, r, lambda name=name, k=k: local_train(
-                method, ctx.model, method.start_state(members, name), ctx.clients[name], ctx.descriptors[name],
-                payloads[name], ctx.cfg, ctx.seed, r, k, ctx.device))
-        except ClientUnavailable as exc:
-            log.warning("round %d: client %s unavailable: %s", r + 1, name, exc)
-            unavailable[name] = str(exc)
+    todo = [n for n in names if n not in unavailable]
+    results, lost = parts.train(r, {n: method.start_state(members, n) for n in todo}, {n: payloads[n] for n in todo})
+    for n, why in lost.items():
+        log.warning("round %d: client %s unavailable: %s", r + 1, n, why)
+    unavailable.update(lost)
     if not results:
         raise TooManyUnavailable(f"round {r + 1}: no participant returned an update ({sorted(unavailable)})")
     returned = sorted(results)
-    reference = {n: method.start_state(members, n) for n in returned}
+    starts = {n: method.start_state(members, n) for n in returned}
     weights = method.client_weights([results[n].n_samples for n in returned],
-                                    [flat_update(results[n].state, reference[n]) for n in returned])
-    members = {**members, **method.aggregate_train({n: results[n].state for n in returned}, weights, ctx.model)}
-    after = {}
-    for n in returned:
-        ctx.model.load_trainable_state(method.start_state(members, n))
-        after[n] = method.upload_after_aggregation(ctx.model, ctx.clients[n], ctx.descriptors[n], ctx.device)
-    server_state = method.aggregate_uploads(after) if any(v is not None for v in after.values()) else None
+                                    [flat_update(results[n].state, starts[n]) for n in returned])
+    update = RoundUpdate(r, {n: results[n].state for n in returned}, starts,
+                         {n: results[n].n_samples for n in returned}, {n: results[n].steps for n in returned},
+                         dict(zip(returned, weights, strict=True)), ckpt["server_state"])
+    new_members, server_state = method.aggregate_train(update, model)
+    members = {**members, **new_members}
+    after, lost_post, member_metrics = parts.post(r, members, returned if method.post_uploads else [])
+    for n, why in lost_post.items():  # trained, then lost before its upload: its round counts as unavailable
+        unavailable[n] = f"unavailable after aggregation: {why}"
+    if method.post_uploads:
+        server_state = method.aggregate_uploads(after, server_state) if after else None
     ckpt.update(members=members, server_state=server_state)
-    return {"weights": dict(zip(returned, weights, strict=True)), "unavailable_clients": unavailable,
-            "losses": {n: results[n].losses for n in returned}}
+    row = {"weights": update.weights, "unavailable_clients": unavailable,
+           "losses": {n: results[n].losses for n in returned}, **parts.row_extra()}
+    return row, member_metrics
 
 
-def run_rounds(ctx: RunContext) -> dict:
-    t = ctx.cfg.train
-    ckpt = start_or_resume(ctx.checkpoint, ctx.identity,
-                           lambda: fresh_checkpoint(ctx.model, ctx.method, list(ctx.clients), ctx.identity))
-    bar = tqdm(total=t.max_rounds, initial=ckpt["round"], desc=f"{ctx.identity['method']} s{ctx.seed}", unit="round")
+def run_rounds(method: Method, parts: Participants, model: FedHistoModel, cfg: Config, identity: dict,
+               checkpoint: Path, after_round: Callable[[dict], None] | None = None,
+               stop_after_round: int | None = None) -> dict:
+    """Rounds until early stopping or ``max_rounds``, resuming from ``checkpoint`` when its identity
+    matches. ``after_round(ckpt)`` runs after each round's checkpoint; ``stop_after_round`` simulates a
+    kill (tests)."""
+    t = cfg.train
+    ckpt = start_or_resume(checkpoint, identity, lambda: fresh_checkpoint(model, method, parts.names, identity))
+    bar = progress(total=t.max_rounds, initial=ckpt["round"], desc=f"{identity['method']} s{identity['seed']}",
+                   unit="round")
     try:
         while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
             r = ckpt["round"]
             start = time.perf_counter()
-            row = train_round(ctx, ckpt, r)
-            val = close_round(ckpt, ctx.cfg, r, row, validate_members(ctx, ckpt["members"]), start, ctx.checkpoint)
+            row, member_metrics = run_round(method, parts, ckpt, r, model)
+            val = close_round(ckpt, cfg, r, row, member_metrics, start, checkpoint)
             bar.update()
             bar.set_postfix(val_f1=f"{val:.3f}", best=f"{ckpt['best']['metric']:.3f}")
-            if ctx.stop_after_round is not None and ckpt["round"] >= ctx.stop_after_round and not ckpt["stopped"]:
+            if after_round is not None:
+                after_round(ckpt)
+            if stop_after_round is not None and ckpt["round"] >= stop_after_round and not ckpt["stopped"]:
                 raise KeyboardInterrupt(f"stopped after round {ckpt['round']} (simulated kill)")
     finally:
         bar.close()

@@ -27,19 +27,18 @@ from fedhisto.methods.base import Method
 from fedhisto.model.build import build_model, descriptor_digest, encoder_digest, pick_device
 from fedhisto.predictions import PROB_COLUMNS
 from fedhisto.provenance import config_hash, provenance_block, runtime_block
+from fedhisto.splits import load_partitions
 from fedhisto.stage_config import stage_block
-from fedhisto.train.data import load_partitions
 from fedhisto.train.inference import predict
 from fedhisto.train.loop import (
     ClientFailure,
     ResumeRefused,
-    RunContext,
     TooManyUnavailable,
     load_checkpoint,
-    macro_f1,
     run_rounds,
     unavailable_so_far,
 )
+from fedhisto.train.participants import InProcess, macro_f1
 
 log = logging.getLogger(__name__)
 STAGE = "train"
@@ -124,7 +123,7 @@ def _set_aside_foreign_checkpoint(path: Path, identity: dict) -> None:
 
 def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: str | Path,
               descriptors_json: str | Path, cfg: Config, out_dir: str | Path, encoder_dir: str | None = None,
-              threads: int = 1, **test_hooks) -> dict:
+              threads: int = 1, stop_after_round: int | None = None, **test_hooks) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(threads, 1))
@@ -137,15 +136,16 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
     identity = run_identity(cfg, m, seed, dataset_identity, descriptors, encoder_dir)
     model = build_model(cfg, m, seed, encoder_dir).to(device)
     _set_aside_foreign_checkpoint(out / "checkpoint.pt", identity)
-    ctx = RunContext(model=model, method=m, clients=clients, validation=parts["validation"], descriptors=descriptors,
-                     cfg=cfg, seed=seed, identity=identity, device=device, checkpoint=out / "checkpoint.pt",
-                     **test_hooks)
+    participants = InProcess(model=model, method=m, clients=clients, validation=parts["validation"],
+                             descriptors=descriptors, cfg=cfg, seed=seed, device=device,
+                             batched=cfg.train.engine == "batched", **test_hooks)
     prov = provenance_block(STAGE, stage_block(cfg, STAGE, method=method, seed=seed),
                             {"manifest": manifest_csv, "descriptors": descriptors_json})
     summary = {"method": method, "seed": seed, "identity": identity, "runtime": runtime_block(device),
                "provenance": prov, "pid": os.getpid()}
     try:
-        ckpt = run_rounds(ctx)
+        ckpt = run_rounds(m, participants, model, cfg, identity, out / "checkpoint.pt",
+                          stop_after_round=stop_after_round)
     except (ClientFailure, TooManyUnavailable) as exc:
         failure = {"failed": type(exc).__name__, "error": str(exc), "client": getattr(exc, "client", None),
                    "round": getattr(exc, "round", None)}

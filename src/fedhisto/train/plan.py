@@ -1,0 +1,101 @@
+"""One participant's local plan, written once for both engines.
+
+The sequential engine (``train.local``) walks one participant's plan; the batched engine
+(``train.batched``) walks every member's plan in lock step. What a plan fixes is the same for both:
+the round's torch seed, the ``LocalRun`` the method's batch hooks see, the micro-batch order of each
+epoch (a named random stream of (seed, round, participant, epoch)), the accumulation boundary at
+which the optimiser steps, and the per-micro-batch means of the loss terms that go into the history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedhisto.config import Config
+from fedhisto.fedmath.losses import class_balanced_weights
+from fedhisto.methods.base import Batch, LocalRun, LocalSchedule, Method, named_rng
+from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.splits import Split
+
+
+@dataclass
+class LocalResult:
+    state: dict[str, torch.Tensor]
+    n_samples: int
+    losses: dict[str, float]
+    steps: int = 0          # optimiser steps taken (SCAFFOLD's K)
+
+
+@dataclass
+class MemberJob:
+    """One participant's local training of one round."""
+
+    start_state: dict[str, torch.Tensor]
+    data: Split
+    descriptor: torch.Tensor | None
+    payload: dict[str, Any]
+    seed: int
+    round_idx: int
+    client_idx: int
+
+
+def seed_round(job: MemberJob) -> None:
+    """The global torch generator (dropout) of the job's round, from its named stream."""
+    torch.manual_seed(int(named_rng("torch", job.seed, job.round_idx, job.client_idx).integers(2**62)))
+
+
+def local_run(model: FedHistoModel, job: MemberJob, cfg: Config, plan: LocalSchedule, device: torch.device,
+              params: dict[str, torch.Tensor]) -> LocalRun:
+    """What the method's batch hooks see of one participant's round."""
+    t = cfg.train
+    return LocalRun(model=model, data=job.data,
+                    descriptor=job.descriptor.to(device)[None] if job.descriptor is not None else None,
+                    payload=job.payload, start_state={k: v.to(device) for k, v in job.start_state.items()},
+                    params=params, ce_weights=class_balanced_weights(job.data.class_counts(), t.cb_beta, t.cb_cap).to(device),
+                    nominal_batch=plan.micro_batch, cfg=cfg, seed=job.seed, round_idx=job.round_idx,
+                    client_idx=job.client_idx, device=device)
+
+
+def epoch_batches(job: MemberJob, epoch: int, micro: int) -> list[np.ndarray]:
+    """The micro-batches (indices into the job's data) of one epoch, in order."""
+    order = named_rng("order", job.seed, job.round_idx, job.client_idx, epoch).permutation(len(job.data))
+    return [order[i:i + micro] for i in range(0, len(order), micro)]
+
+
+def batch_of(job: MemberJob, plan: LocalSchedule, epoch: int, number: int, idx: np.ndarray,
+             device: torch.device) -> Batch:
+    """Micro-batch ``number`` of ``epoch``: its indices, labels, and the view epoch that seeds its views."""
+    y = torch.tensor([job.data.labels[i] for i in idx], device=device)
+    return Batch(idx, y, epoch, job.round_idx * plan.epochs + epoch, number)
+
+
+def steps_now(number: int, n_batches: int, accumulation: int) -> bool:
+    """Whether the optimiser steps after micro-batch ``number`` (accumulation boundary or epoch end)."""
+    return (number + 1) % accumulation == 0 or number + 1 == n_batches
+
+
+class LossMeans:
+    """Sums of each loss term over micro-batches (float64, in order), and their means."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, terms: dict[str, torch.Tensor]) -> None:
+        for k, v in terms.items():
+            v = v.detach().to(torch.float64)
+            self.sums[k] = v if k not in self.sums else self.sums[k] + v
+        self.count += 1
+
+    def means(self) -> dict[str, float]:
+        return {k: float(v) / max(self.count, 1) for k, v in self.sums.items()}
+
+
+def check_optimizer(method: Method, plan: LocalSchedule, supported: tuple[str, ...], engine: str) -> None:
+    if plan.optimizer not in supported:
+        raise NotImplementedError(f"{method.name}: the {engine} engine implements {', '.join(supported)}, this "
+                                  f"schedule asks for {plan.optimizer!r}")

@@ -1,0 +1,135 @@
+"""The privacy: config block, the refusals by name (fedhisto.privacy.support) and the noised prototype release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedhisto.config import Config, ConfigError, load_config
+from fedhisto.fedmath.prototypes import client_prototypes
+from fedhisto.methods import register, unregister
+from fedhisto.privacy import support
+from fedhisto.privacy.accountant import SiteAccountant
+from fedhisto.privacy.releases import SENSITIVITY, noised_prototypes, prototype_release, unit_contributions
+from fedhisto.stage_config import stage_block
+
+ONLY_FEDAVG = {"train": {"methods": ["fedavg_peft"], "ablations": [], "seeds": [11], "ablation_seeds": []},
+               "bootstrap": {"comparisons": {}}}
+
+
+def _cfg(privacy: dict, **train) -> dict:
+    raw = {k: dict(v) for k, v in ONLY_FEDAVG.items()}
+    raw["train"].update(train)
+    return raw | {"privacy": privacy}
+
+
+def test_privacy_off_leaves_every_train_identity_unchanged():
+    cfg = Config()
+    for method in [*cfg.train.methods, *cfg.train.ablations]:
+        assert "privacy" not in stage_block(cfg, "train", method=method, seed=11)
+    with pytest.raises(ConfigError, match=r"privacy\.target_epsilon is set but privacy\.enabled is false"):
+        load_config({"privacy": {"target_epsilon": 3.0}})
+    with pytest.raises(ConfigError, match=r"unknown key 'privacy\.epsilon'"):
+        load_config({"privacy": {"epsilon": 3.0}})
+
+
+def test_enabled_is_refused_until_the_engine_runs_dp():
+    with pytest.raises(ConfigError, match="DP-SGD is not yet wired into the local training loop"):
+        load_config(_cfg({"enabled": True}))
+
+
+def test_refusals_name_the_method_and_the_reason(monkeypatch):
+    monkeypatch.setattr(support, "ENGINE_RUNS_DP", True)
+    cfg = load_config(_cfg({"enabled": True, "noise_multiplier": 1.2}))
+    block = stage_block(cfg, "train", method="fedavg_peft", seed=11)
+    assert block["privacy"]["noise_multiplier"] == 1.2  # a DP run is another run
+    with pytest.raises(ConfigError, match=r"method 'fedstain' cannot train under DP-SGD: its loss does not "
+                                          r"decompose per sample: .*SupCon"):
+        load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain"]))
+    with pytest.raises(ConfigError, match=r"method 'fedstain_code' cannot train under DP-SGD"):
+        load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain_code"]))
+    with pytest.raises(ConfigError, match=r"train.engine: 'batched' is not supported under DP-SGD"):
+        load_config(_cfg({"enabled": True}, engine="batched"))
+    with pytest.raises(ConfigError, match=r"method 'past_v2' cannot train under DP-SGD: it uploads class prototypes"):
+        load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "past_v2"]))
+    ok = load_config(_cfg({"enabled": True, "prototypes": "noised"}, methods=["fedavg_peft", "past_v2", "fedprox_peft"]))
+    assert ok.privacy.prototypes == "noised"
+    for name in ("local_only", "pooled", "film_zero", "v2_no_proto"):
+        assert support.method_refusal(name) is None, name
+
+
+def test_an_unknown_method_class_is_refused_by_name():
+    register("my_method", "mypkg.methods:Mine")
+    try:
+        why = support.method_refusal("my_method")
+        assert why is not None and "mypkg.methods:Mine is not known to have a per-sample objective" in why
+    finally:
+        unregister("my_method")
+
+
+def _embeddings(n: int = 30, dim: int = 16):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, dim, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+def test_prototype_release_sensitivity_is_sqrt2_per_unit():
+    z, y = _embeddings()
+    images = unit_contributions(z, y, torch.arange(30), 30, 3)
+    assert torch.allclose(images.norm(dim=1), torch.full((30,), SENSITIVITY, dtype=torch.float64))
+    families = unit_contributions(z, y, torch.arange(30) // 5, 6, 3)  # six families of five images
+    assert float(families.norm(dim=1).max()) <= SENSITIVITY * (1 + 1e-12)
+    # removing any one unit moves the released sum by at most the sensitivity
+    total = families.sum(0)
+    assert max(float((total - (total - families[u])).norm()) for u in range(6)) <= SENSITIVITY * (1 + 1e-12)
+
+
+def test_noised_prototypes_approach_the_plain_upload_and_are_accounted():
+    z, y = _embeddings(300)
+    plain = client_prototypes(z, y, 3)
+    noised = noised_prototypes(z, y, torch.arange(300), 300, 3, 0.01, torch.Generator().manual_seed(1))
+    assert noised.counts == plain.counts  # noise 0.014 on counts of ~100: rounds back
+    for c, u in plain.centroids.items():
+        assert float(torch.dot(u, noised.centroids[c])) > 0.999
+    loud = noised_prototypes(z, y, torch.arange(300), 300, 3, 50.0, torch.Generator().manual_seed(1))
+    assert min(float(torch.dot(plain.centroids[c], loud.centroids[c])) for c in loud.centroids) < 0.9
+    with pytest.raises(ValueError, match="noise multiplier > 0"):
+        noised_prototypes(z, y, torch.arange(300), 300, 3, 0.0, torch.Generator())
+    ledger = SiteAccountant("C1", 1e-5)
+    ledger.record_round(0, [prototype_release(5.0)])
+    assert ledger.epsilon() == pytest.approx(SiteAccountant("C1", 1e-5).epsilon([prototype_release(5.0)]))
+    assert ledger.all_releases()[0].sample_rate == 1.0 and ledger.all_releases()[0].kind == "prototypes"
+
+
+def test_round_releases_feed_the_plan_check():
+    from fedhisto.privacy.accountant import check_plan
+    from fedhisto.privacy.dpsgd import steps_per_epoch
+    from fedhisto.privacy.releases import round_releases
+
+    plain = round_releases(1.0, 0.05, 2, uploads_prototypes=False)
+    assert [(r.steps, r.kind) for r in plain] == [(2 * steps_per_epoch(0.05), "dpsgd")]
+    with_protos = round_releases(1.0, 0.05, 2, uploads_prototypes=True)
+    assert [r.kind for r in with_protos] == ["dpsgd", "prototypes"]
+    eps_plain = check_plan("C4", 400, plain, 5, 1e-5, None, "stop")
+    eps_protos = check_plan("C4", 400, with_protos, 5, 1e-5, None, "stop")
+    assert all(b > a for a, b in zip(eps_plain, eps_protos, strict=True))  # the prototype upload costs epsilon
+
+
+def test_past_unit_loss_reads_the_method_and_its_round_payload():
+    from fedhisto.fedmath.prototypes import ServerPrototypes
+    from fedhisto.methods import build_method
+    from fedhisto.privacy.unit_loss import past_unit_loss
+
+    cfg = Config()
+    w = torch.tensor([1.0, 2.0, 0.5])
+    protos = ServerPrototypes(torch.randn(3, 8), torch.ones(3), torch.tensor([True, True, False]), torch.ones(3))
+    v2 = past_unit_loss(build_method("past_v2", cfg), {"prototypes": protos}, w)
+    s = cfg.train.past
+    assert (v2.weight_js, v2.weight_feat, v2.weight_proto, v2.prototypes, v2.margin) == (
+        s.weight_js, s.weight_feat, s.weight_proto, "v2", s.proto_margin)
+    assert torch.equal(v2.centroids, protos.centroids) and torch.equal(v2.ce_weights, w)
+    first_round = past_unit_loss(build_method("past_v2", cfg), {"prototypes": None}, w)
+    assert first_round.prototypes == "none" and first_round.weight_proto == 0.0  # no global prototypes yet
+    fedavg = past_unit_loss(build_method("fedavg_peft", cfg), {"prototypes": protos}, w)
+    assert (fedavg.weight_js, fedavg.weight_feat, fedavg.prototypes) == (0.0, 0.0, "none")
+    no_js = past_unit_loss(build_method("v2_no_js", cfg), {"prototypes": protos}, w)
+    assert no_js.weight_js == 0.0 and no_js.weight_feat == s.weight_feat
