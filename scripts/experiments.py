@@ -20,7 +20,8 @@ if "snakemake" in globals():
         from fedhisto.experiments.layout import plain_encoder_config
         from fedhisto.pretrain import run_pretrain
 
-        run_pretrain(plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads)
+        run_pretrain(plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads,
+                     manifest_csv=smk.input.get("manifest"))
     elif rule == "build_condition_manifest":
         from fedhisto.experiments.conditions import leave_one_site_out_manifest, policy_manifest
 
@@ -30,11 +31,20 @@ if "snakemake" in globals():
             policy_manifest(smk.input.sources, smk.input.families, smk.input.edges, cfg, name, out)
         else:
             leave_one_site_out_manifest(smk.input.manifest, smk.input.identity, name, cfg, out)
+    elif rule == "train_encoder_condition":
+        from fedhisto.experiments.layout import condition_config
+        from fedhisto.train.stage import run_train
+
+        run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
+                  smk.input.descriptors, condition_config(cfg, f"dose_response/{smk.wildcards.label}"),
+                  Path(smk.output.status).parent, encoder_dir=None, threads=smk.threads)
     elif rule == "predict_shifted_cohort":
+        from fedhisto.experiments.layout import condition_config
         from fedhisto.experiments.shifted import predict_shifted
 
         predict_shifted(smk.wildcards.method, int(smk.wildcards.seed), Path(smk.input.status).parent,
-                        smk.input.manifest, smk.input.identity, smk.input.descriptors, smk.input.cohort, cfg,
+                        smk.input.manifest, smk.input.identity, smk.input.descriptors, smk.input.cohort,
+                        condition_config(cfg, f"dose_response/{smk.wildcards.encoder}"),
                         smk.output.predictions, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
                         threads=smk.threads)
     elif rule == "summarize_dose_response":
@@ -55,5 +65,14 @@ if "snakemake" in globals():
         from fedhisto.experiments.calibration import summarise_calibration
 
         summarise_calibration([tuple(r) for r in smk.params.runs], cfg, Path(smk.output.json).parent)
+    elif rule == "probe_encoder":
+        from fedhisto.experiments.probe import probe_condition
+
+        probe_condition(cfg, smk.wildcards.encoder, smk.input.cohort, Path(smk.output.json).parent,
+                        encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
+    elif rule == "summarize_probe":
+        from fedhisto.experiments.probe import summarise_probe
+
+        summarise_probe(dict(smk.params.probes), smk.input.dose_response, cfg, Path(smk.output.json).parent)
     else:
         raise SystemExit(f"scripts/experiments.py: no function for rule {rule!r}")

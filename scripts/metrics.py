@@ -20,7 +20,5 @@ elif __name__ == "__main__":
     args = parser.parse_args()
     setup_logging()
     cfg = load_config_file(args.config)
-    pairs = [(m, s) for m in cfg.train.methods for s in cfg.train.seeds]
-    pairs += [(m, s) for m in cfg.train.ablations for s in cfg.train.ablation_seeds]
-    runs = [(m, s, f"results/predictions/{m}/seed{s}", f"results/train/{m}/seed{s}") for m, s in pairs]
+    runs = [(m, s, f"results/predictions/{m}/seed{s}", f"results/train/{m}/seed{s}") for m, s in cfg.train_runs()]
     run_metrics(runs, cfg, "results/metrics")

@@ -1,6 +1,7 @@
 """Stage pretrain: results/pretrain/encoder (save_pretrained folder + pretrain_report.json).
 
-Standalone: ``python scripts/pretrain.py --config config/config.yaml --out results/pretrain/encoder``.
+Standalone: ``python scripts/pretrain.py --config config/config.yaml --out results/pretrain/encoder``
+(``objective: self_supervised`` reads results/manifest/manifest.csv).
 """
 
 from fedhisto.entry import from_argv, from_snakemake
@@ -8,7 +9,9 @@ from fedhisto.pretrain import run_pretrain
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
-    run_pretrain(from_snakemake(smk), smk.output.encoder, threads=smk.threads)
+    run_pretrain(from_snakemake(smk), smk.output.encoder, threads=smk.threads,
+                 manifest_csv=smk.input.get("manifest"))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__, out="output folder")
-    run_pretrain(config, args.out, threads=args.threads)
+    ssl = config.model.pretrain.objective == "self_supervised"  # its images: the manifest's optimisation split
+    run_pretrain(config, args.out, threads=args.threads, manifest_csv="results/manifest/manifest.csv" if ssl else None)

@@ -5,26 +5,27 @@ Standalone: ``python scripts/report.py --config config/config.yaml`` after the m
 
 from pathlib import Path
 
+from fedhisto.caveats import run_caveats
 from fedhisto.entry import from_argv, from_snakemake
 from fedhisto.report import run_report
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
-    from_snakemake(smk)
+    cfg = from_snakemake(smk)
     external: dict[str, list[str]] = {}
     for (method, _seed), path in zip(smk.params.runs, smk.input.external, strict=True):
         external.setdefault(method, []).append(path)
     run_report(smk.input.metrics, list(smk.input.bootstrap), smk.input.communication, external,
                Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent,
-               bootstrap=dict(smk.params.bootstrap))
+               bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
-    t = config.train
-    runs = [(m, s) for m in t.methods for s in t.seeds] + [(m, s) for m in t.ablations for s in t.ablation_seeds]
+    runs = config.train_runs()
     external: dict[str, list[str]] = {}
     for m, s in runs:
         external.setdefault(m, []).append(f"results/predictions/{m}/seed{s}/external.csv")
     names = [p.stem for p in sorted(Path("results/bootstrap").glob("*.json"))]
     run_report("results/metrics/metrics.json", [f"results/bootstrap/{n}.json" for n in names],
                "results/accounting/communication.csv", external, "results/tables", "results/figures", "results/manifest",
-               bootstrap=config.bootstrap.model_dump(include={"seed", "resamples", "confidence"}))
+               bootstrap=config.bootstrap.model_dump(include={"seed", "resamples", "confidence"}),
+               caveats=run_caveats(config))

@@ -6,8 +6,10 @@ same command resumes from the last completed round.
 """
 
 import argparse
+import logging
 from pathlib import Path
 
+from fedhisto.caveats import log_caveats
 from fedhisto.config import load_config_file
 from fedhisto.entry import from_snakemake, setup_logging
 from fedhisto.train.stage import run_train
@@ -15,6 +17,7 @@ from fedhisto.train.stage import run_train
 if "snakemake" in globals():
     smk = globals()["snakemake"]
     config = from_snakemake(smk)
+    log_caveats(config, logging.getLogger("fedhisto.train"))  # a real cohort on the tiny encoder / short schedule
     run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
               smk.input.descriptors, config, Path(smk.output.status).parent,
               encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
@@ -31,5 +34,7 @@ elif __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     setup_logging()
-    run_train(args.method, args.seed, args.manifest, args.identity, args.descriptors, load_config_file(args.config),
+    config = load_config_file(args.config)
+    log_caveats(config, logging.getLogger("fedhisto.train"))
+    run_train(args.method, args.seed, args.manifest, args.identity, args.descriptors, config,
               args.out, encoder_dir=args.encoder_dir, threads=args.threads)

@@ -134,3 +134,11 @@ def test_tables_6_and_7_split_by_the_flag_and_print_bounded_p(predictions):
     assert ",< 0.0002," in row and ",11 22 33 44 55,11 22 33 44 55," in row
     assert "< 0.0002" in (predictions / "tables/table6_bootstrap.md").read_text()
     assert ",11 33 55,11 33 55," in next(r for r in t7.splitlines() if r.startswith("matched_fedavg,"))
+    # a real cohort on the tiny encoder: its caveats under Tables 4 and 5; none by default
+    assert "CAVEAT" not in (predictions / "tables/table4_internal.md").read_text()
+    run_report("metrics.json", paths, "communication.csv", {"past_v2": v2_files}, "tables2", "figures2",
+               caveats=["tiny encoder on real images"])
+    for name in ("table4_internal", "table5_external"):
+        assert "Note: CAVEAT: tiny encoder on real images" in (predictions / f"tables2/{name}.md").read_text()
+    assert (predictions / "tables2/table4_internal.csv").read_text() == \
+        (predictions / "tables/table4_internal.csv").read_text()  # the numbers are untouched

@@ -131,3 +131,22 @@ def test_if_changed_fields_enter_identities_only_when_set():
     assert "stain_views" not in default["model"]["pretrain"]
     assert stage_block(load_config({"model": {"pretrain": {"stain_views": False}}}), "train", method="past_v2",
                        seed=11)["model"]["pretrain"]["stain_views"] is False
+
+
+def test_comparator_seeds_give_only_the_extra_comparators_fewer_seeds():
+    base = {"train": {"methods": ["fedavg_peft", "past_v2", "fedstain", "local_only"], "ablations": ["v2_no_js"]}}
+    today = load_config(base)
+    assert today.trained_seeds("fedstain") == today.trained_seeds("past_v2") == [11, 22, 33, 44, 55]
+    fewer = load_config({"train": {**base["train"], "comparator_seeds": [11, 33, 55]}})
+    assert fewer.trained_seeds("fedstain") == fewer.trained_seeds("local_only") == [11, 33, 55]
+    assert fewer.trained_seeds("past_v2") == fewer.trained_seeds("fedavg_peft") == [11, 22, 33, 44, 55]
+    assert fewer.trained_seeds("v2_no_js") == [11, 33, 55]
+    assert ("fedstain", 22) not in fewer.train_runs() and ("past_v2", 22) in fewer.train_runs()
+    assert today.train_runs()[:5] == [("fedavg_peft", s) for s in (11, 22, 33, 44, 55)]
+    # the default leaves every run identity as it was: the key never enters a training block
+    from fedhisto.stage_config import stage_block
+
+    assert stage_block(fewer, "train", method="fedstain", seed=11) == stage_block(today, "train", method="fedstain",
+                                                                                  seed=11)
+    with pytest.raises(ConfigError, match=r"train.comparator_seeds \[11, 77\] must be a non-empty subset"):
+        load_config({"train": {**base["train"], "comparator_seeds": [11, 77]}})

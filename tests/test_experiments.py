@@ -13,10 +13,10 @@ from test_manifest import write_corpus
 from fedhisto.clearance.stage import kept_by
 from fedhisto.config import load_config
 from fedhisto.evaluation import macro_f1
+from fedhisto.experiment_stats import difference, interval, metric_replicates
 from fedhisto.experiments import layout
 from fedhisto.experiments.conditions import ConditionError, leave_one_site_out_manifest, policy_manifest
 from fedhisto.experiments.leakage import relatives_in_training
-from fedhisto.experiments.stats import difference, interval, metric_replicates
 from fedhisto.manifest import run_manifest
 
 

@@ -193,11 +193,10 @@ def test_start_gradient_payload_is_the_mean_gradient_minus_the_own_by_hand():
 
 def test_start_gradient_is_the_full_data_gradient_of_the_balanced_ce():
     """Against one forward of every image at once (the hook goes through evaluation batches of 32)."""
-    from fedhisto.train.data import eval_batches
-
     from fedhisto.fedmath.losses import class_balanced_weights
     from fedhisto.methods.base import balanced_cross_entropy
     from fedhisto.methods.scaffold import start_gradient
+    from fedhisto.splits import eval_batches
 
     cfg, _, model, device, jobs = round_inputs("scaffold")
     data = split(70, 4)  # three evaluation batches of 32, 32, 6

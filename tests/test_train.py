@@ -210,3 +210,25 @@ def test_fedstain_switches_turn_its_views_back_into_the_plain_view(prepared: dic
     full = first_round_js(tmp_path / "full")
     plain = first_round_js(tmp_path / "plain", randstain=False, augmix=False, mixstyle=False)
     assert all(p < f / 10 for p, f in zip(plain, full, strict=True)), (plain, full)
+
+
+def test_one_process_predicting_every_seed_writes_the_files_of_one_process_per_seed(prepared: dict, tmp_path: Path):
+    """The predict_cohorts job of a method predicts all its seeds; its CSVs must be those of a job per seed,
+    byte for byte (the evaluation images are decoded once and reused; each seed builds its own model)."""
+    from fedhisto.predict import run_predict, run_predict_seeds
+    from fedhisto.train.stage import run_train
+
+    cfg = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}})
+    inputs = (prepared["manifest"], prepared["identity"], prepared["descriptors"])
+    runs = {seed: tmp_path / f"train/seed{seed}" for seed in (11, 22)}
+    for seed, out in runs.items():
+        run_train("past_v2", seed, *inputs, cfg, out)
+    grouped = run_predict_seeds("past_v2", [(s, d, tmp_path / f"grouped/seed{s}") for s, d in runs.items()], *inputs, cfg)
+    for seed, out in runs.items():
+        alone = run_predict("past_v2", seed, out, *inputs, cfg, tmp_path / f"alone/seed{seed}")
+        assert grouped[seed] == alone
+        for cohort in ("test", "holdout", "external"):
+            assert (tmp_path / f"grouped/seed{seed}/{cohort}.csv").read_bytes() == \
+                (tmp_path / f"alone/seed{seed}/{cohort}.csv").read_bytes()
+    # two seeds' models do differ, so equal files are not an accident of identical checkpoints
+    assert (tmp_path / "grouped/seed11/external.csv").read_bytes() != (tmp_path / "grouped/seed22/external.csv").read_bytes()

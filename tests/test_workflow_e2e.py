@@ -24,9 +24,24 @@ def snakemake(snakemake_bin: str, repo: Path, workdir: Path, *args: str) -> subp
 def workdir(tmp_path_factory, repo: Path, snakemake_bin: str) -> Path:
     wd = tmp_path_factory.mktemp("wf")
     write_tiny_config(wd, max_rounds=2)  # the real Snakefile on a tiny config
-    proc = snakemake(snakemake_bin, repo, wd, "--cores", "2", "all")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # bytes, not text: text mode would turn the carriage returns of progress redraws into newlines
+    proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(wd), "--cores", "2", "all"],
+                          capture_output=True, timeout=1800)
+    console = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert proc.returncode == 0, console[-8000:]
+    (wd / "first_all.out").write_bytes(console.encode())
     return wd
+
+
+def test_logs_have_one_line_per_step_and_no_progress_bar_fragments(workdir: Path):
+    """Jobs run side by side with a piped stderr: no carriage-return redraws, a line per finished step."""
+    console = (workdir / "first_all.out").read_bytes().decode()
+    assert "\r" not in console
+    cohort_log = (workdir / "logs/cohort/synthesize_cohort.log").read_text()
+    assert " render: " in cohort_log and " img in " in cohort_log and "\r" not in cohort_log
+    assert " fingerprint: " in (workdir / "logs/clearance/audit_duplicates.log").read_text()
+    # one prediction job per method, logging each of its seeds
+    assert "predict past_v2 seed 11: test " in (workdir / "logs/predict/past_v2.log").read_text()
 
 
 def test_all_builds_the_cohort_with_provenance(workdir: Path):
@@ -194,7 +209,7 @@ def test_experiments_run_reuse_main_runs_and_recompute_from_their_predictions(wo
     assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(
         snakemake(snakemake_bin, repo, workdir, "-n", "experiments"))
     root = workdir / "results/experiments"
-    for name in ("dose_response", "leakage", "leave_one_site_out", "calibration"):
+    for name in ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe"):
         doc = json.loads((root / f"{name}/{name}.json").read_text())
         assert doc["provenance"]["stage"] == "experiments" and doc["provenance"]["inputs"]
         assert (root / f"{name}/{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -218,3 +233,16 @@ def test_experiments_run_reuse_main_runs_and_recompute_from_their_predictions(wo
     assert {r["policy"] for r in leak["per_policy"]} == {"ignore_families", "representatives"}
     cal = json.loads((root / "calibration/calibration.json").read_text())
     assert all(0.05 <= r["temperature"] <= 20 for r in cal["per_run"])
+    # experiment 5: each encoder's paired-stain retrieval is the mean of its per-image hits, beside its gap
+    import csv
+
+    probe = json.loads((root / "probe/probe.json").read_text())
+    assert set(probe["ranking"]["probe_order"]) == {"stain_invariant", "plain"}
+    for encoder in ("stain_invariant", "plain"):
+        with (root / f"probe/{encoder}/per_image.csv").open() as fh:
+            hits = [int(r["hit_a_to_b"]) + int(r["hit_b_to_a"]) for r in csv.DictReader(fh)
+                    if r["measure"] == "paired_stain"]
+        row = next(r for r in probe["rows"] if r["encoder"] == encoder and r["measure"] == "paired_stain")
+        assert row["retrieval_top1"] == pytest.approx(sum(hits) / (2 * len(hits)), abs=1e-12)
+        gap = next(d for d in dose["v2_vs_fedavg"] if d["encoder"] == encoder and d["severity"] == 1.0)
+        assert row["gap"] == gap["difference"] and row["images"] == 3 * 5

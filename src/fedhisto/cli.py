@@ -69,6 +69,21 @@ def _cmd_model_card(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_probe_encoder(args: argparse.Namespace) -> int:
+    from fedhisto.entry import setup_logging
+    from fedhisto.probe import run_probe
+
+    setup_logging()
+    cfg = load_config_file(args.config)
+    x = cfg.experiments
+    summary = run_probe(cfg, args.images, args.out, encoder_dir=args.encoder_dir, split=args.split, limit=args.limit,
+                        seed=args.seed, resamples=args.resamples or x.resamples, bootstrap_seed=x.bootstrap_seed,
+                        threads=args.threads)
+    keys = ("encoder", "images", "chance_retrieval", "within", "between", "ratio", "ratio_same_class", "retrieval_top1")
+    print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
+    return 0
+
+
 # ------------------------------------------------------------------ federation (Flower; fedhisto[federation])
 def _flower():
     try:
@@ -307,6 +322,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder", choices=ENCODER_NAMES, default="hibou-b")
     p.add_argument("--method", choices=method_names(), default="past_v2")
     p.set_defaults(func=_cmd_model_card)
+    p = sub.add_parser("probe-encoder", help="stain sensitivity of the frozen encoder: how far paired stain draws move "
+                                             "an embedding vs the distance between tissues, and same-tissue retrieval")
+    p.add_argument("--images", required=True, help="an image folder (recursive) or a CSV with sample_id and path "
+                                                   "columns (a manifest, the dose-response cohort)")
+    p.add_argument("--out", required=True, help="writes probe.json and per_image.csv here")
+    p.add_argument("--config", default="config/config.yaml", help="model.encoder, views and evaluate.eval_batch")
+    p.add_argument("--encoder-dir", default=None, help="the tiny encoder's folder (results/pretrain/encoder); "
+                                                       "other encoders: model.encoder.local_dir or the hub")
+    p.add_argument("--split", default=None, help="only this split of a manifest CSV (e.g. optimisation)")
+    p.add_argument("--limit", type=int, default=None, help="the first N images by sample id")
+    p.add_argument("--seed", type=int, default=0, help="seed of the stain draws")
+    p.add_argument("--resamples", type=int, default=None, help="bootstrap resamples (default experiments.resamples)")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=_cmd_probe_encoder)
     _federation_parsers(sub)
     _site_local_parsers(sub)
 

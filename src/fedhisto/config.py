@@ -35,63 +35,18 @@ from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage impor
     ViewsConfig,
 )
 from fedhisto.config_experiments import ExperimentsConfig
+from fedhisto.config_model import EncoderConfig, ModelConfig, PretrainConfig  # noqa: F401 (re-exported)
 from fedhisto.config_privacy import PrivacyConfig
 from fedhisto.registry import Method
-from fedhisto.zoo import ENCODER_NAMES, ENCODERS
-
-
-# ---------------------------------------------------------------------- model
-class EncoderConfig(Strict):
-    name: Literal[ENCODER_NAMES] = Field(  # type: ignore[valid-type]
-        "hibou-b", description="an entry of the encoder registry (fedhisto.zoo; docs/encoders.md)")
-    repo_id: str = Field("histai/hibou-b", description="hub repository; defaults to the entry's (unused by tiny)")
-    revision: str | None = Field(
-        "7fdc8cce365ebfd9e7e60e6e9a8d4d59388f3c",
-        description="hub commit; defaults to the entry's pin (entries without a verified pin need one set here)")
-    local_dir: str | None = Field(None, description="load from this folder instead of the hub")
-    require_pretrained: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _hub_defaults_from_entry(cls, data: Any) -> Any:
-        """An entry with a hub repository supplies repo_id and revision unless they are set; the tiny
-        encoder has none and keeps the historical defaults, so existing run identities stand."""
-        if isinstance(data, dict) and data.get("name") in ENCODERS:
-            entry = ENCODERS[data["name"]]
-            if entry.hub_id is not None:
-                data = {"repo_id": entry.hub_id, "revision": entry.revision, **data}
-        return data
-
-
-class PretrainConfig(Strict):
-    """Pipeline pretraining of the tiny encoder (HIBOU-B arrives pretrained and is never retrained)."""
-
-    enabled: bool = Field(False, description="pretrain the tiny encoder on a disjoint synthetic pool")
-    images_per_class: int = Field(200, ge=10)
-    epochs: int = Field(8, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    batch: int = Field(32, ge=1)
-    seed: int = Field(777, description="pool seed; the pool never overlaps the cohort (different seed stream)")
-    stain_views: bool = Field(
-        True, json_schema_extra=IF_CHANGED, description="True: pretrain through stain-perturbed views (the pipeline's stain-invariant encoder); "
-                          "False: geometry-only views (the 'plain' encoder of the stain-shift dose-response experiment)")
-
-
-class ModelConfig(Strict):
-    encoder: EncoderConfig = EncoderConfig()
-    pretrain: PretrainConfig = PretrainConfig()
-    lora_r: int = Field(8, ge=1)
-    lora_alpha: float = Field(16, gt=0)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    lora_targets: list[Literal["query", "key", "value", "attention_output"]] = Field(
-        default_factory=lambda: ["query", "key", "value", "attention_output"])
-    adapter_hidden: int = Field(256, ge=1)
-    adapter_dropout: float = Field(0.10, ge=0, lt=1)
-    film_hidden: int = Field(64, ge=1)
-    film_scale: float = Field(0.10, ge=0)
-
+from fedhisto.zoo import ENCODERS
 
 # ---------------------------------------------------------------------- train
+#: The study's principal methods: they always train on train.seeds. Any other entry of train.methods
+#: (fedstain, fedstain_code, local_only, pooled, a method of your own) is an extra comparator, which
+#: train.comparator_seeds may give fewer seeds.
+STUDY_METHODS = ("fedavg_peft", "fedprox_peft", "film_zero", "past_v1", "past_v2")
+
+
 class TrainBase(Strict):
     """Engine settings shared by every method; each method family's own block (``train.past``,
     ``train.fedstain``, ...) is added from the method registry (``TrainConfig`` below)."""
@@ -100,6 +55,9 @@ class TrainBase(Strict):
     ablations: list[Method] = Field(default_factory=lambda: ["v2_no_js", "v2_no_feat", "v2_no_proto"])
     seeds: Seeds = Field(default_factory=lambda: [11, 22, 33, 44, 55], min_length=1)
     ablation_seeds: Seeds = Field(default_factory=lambda: [11, 33, 55])
+    comparator_seeds: Seeds | None = Field(
+        None, description="[ours] seeds of the train.methods that are not the study's principal five (fedstain, "
+                          "fedstain_code, local_only, pooled, ...); a non-empty subset of train.seeds; null: train.seeds")
     max_rounds: int = Field(50, ge=1)
     local_epochs: int = Field(2, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -217,6 +175,10 @@ class Config(Strict):
                 and self.manifest.targets != self.profile_targets():
             raise ValueError(f"manifest.targets disagree with synthetic profile '{self.cohort.synthetic.profile}'; "
                              "omit manifest.targets to use the profile's counts")
+        comparator = self.train.comparator_seeds
+        if comparator is not None and (not comparator or not set(comparator) <= set(self.train.seeds)):
+            raise ValueError(f"train.comparator_seeds {comparator} must be a non-empty subset of train.seeds "
+                             f"{self.train.seeds} (or null: the comparators train on train.seeds)")
         self._ablation_seeds_trained()
         if self.privacy.enabled:  # refuses, by name, what DP-SGD cannot run (fedhisto.privacy.support)
             from fedhisto.privacy.support import check_privacy
@@ -233,16 +195,32 @@ class Config(Strict):
             for role, method in (("method", comp.method), ("reference", comp.reference)):
                 missing = [s for s in abl if s not in self.trained_seeds(method)]
                 if missing or not abl:
-                    key = "train.seeds" if method in self.train.methods else "train.ablation_seeds"
+                    key = self.seeds_key(method)
                     raise ValueError(
                         f"bootstrap.comparisons.{name} (ablation: true) ensembles both methods on train.ablation_seeds "
                         f"{abl}; its {role} {method!r} trains on {key} {self.trained_seeds(method)}"
                         f"{f', which lacks {missing}' if missing else ''}. Make train.ablation_seeds a non-empty "
                         "subset of train.seeds")
 
+    def seeds_key(self, method: str) -> str:
+        """The config key holding the seeds ``method`` trains on."""
+        if method not in self.train.methods:
+            return "train.ablation_seeds"
+        if method not in STUDY_METHODS and self.train.comparator_seeds is not None:
+            return "train.comparator_seeds"
+        return "train.seeds"
+
     def trained_seeds(self, method: str) -> list[int]:
-        """Seeds a method trains on: train.seeds for a principal method, else train.ablation_seeds."""
-        return list(self.train.seeds if method in self.train.methods else self.train.ablation_seeds)
+        """Seeds a method trains on: train.seeds for a principal method (and for an extra comparator unless
+        train.comparator_seeds is set), train.comparator_seeds for an extra comparator, else train.ablation_seeds."""
+        key = self.seeds_key(method)
+        t = self.train
+        return list({"train.seeds": t.seeds, "train.comparator_seeds": t.comparator_seeds or t.seeds,
+                     "train.ablation_seeds": t.ablation_seeds}[key])
+
+    def train_runs(self) -> list[tuple[str, int]]:
+        """(method, seed) of every configured run, methods then ablations, each on its own seeds."""
+        return [(m, s) for m in [*self.train.methods, *self.train.ablations] for s in self.trained_seeds(m)]
 
     def trained_comparisons(self) -> list[str]:
         """Configured comparisons whose two methods are both configured to train."""

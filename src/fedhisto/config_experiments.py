@@ -11,10 +11,43 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from fedhisto.config_base import Strict
+from fedhisto.config_model import EncoderConfig
 from fedhisto.registry import Method
 
 ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
 FamilyPolicy = Literal["ignore_families", "representatives", "whole_families"]
+
+
+TINY_ENCODERS = ("stain_invariant", "plain")
+
+
+class DoseEncoder(Strict):
+    """Another frozen encoder crossed with the shift severities: its condition retrains every principal
+    method with ``model.encoder`` set to this entry of the encoder registry (its local folder or
+    pinned hub revision), at its registry input size unless ``crop_size`` says otherwise, normalised
+    as ``normalisation`` says. ``label`` names the condition's folder
+    (``results/experiments/dose_response/<label>/``)."""
+
+    label: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$", description="condition folder name")
+    name: str = Field(description="an encoder registry entry (model.encoder.name accepts it)")
+    local_dir: str | None = Field(None, description="load from this folder instead of the hub")
+    repo_id: str | None = Field(None, description="hub repository (default: the registry entry's)")
+    revision: str | None = Field(None, description="pinned hub revision (default: the registry entry's)")
+    crop_size: int | None = Field(None, ge=8, description="input size (default: the registry entry's)")
+    normalisation: Literal["imagenet", "encoder"] = Field(
+        "imagenet", description="imagenet: views.mean / views.std; encoder: the registry entry's statistics")
+
+    def encoder_config(self):
+        """This entry as ``model.encoder`` (validated there: an unknown name lists the known ones)."""
+        given = {"repo_id": self.repo_id, "revision": self.revision}
+        return EncoderConfig(name=self.name, local_dir=self.local_dir, **{k: v for k, v in given.items() if v})
+
+    @model_validator(mode="after")
+    def _known(self) -> DoseEncoder:
+        if self.label in TINY_ENCODERS:
+            raise ValueError(f"label {self.label!r} is the name of a built-in condition; pick another")
+        self.encoder_config()
+        return self
 
 
 class DoseResponseConfig(Strict):
@@ -26,15 +59,33 @@ class DoseResponseConfig(Strict):
     anchor_site: Literal["site1", "site2", "site3", "site4", "site5"] = "site1"
     images_per_class: int = Field(60, ge=5, description="per severity; the same tissue at every severity")
     seed: int = Field(4242, description="tissue seed of the shifted cohort (never the cohort's or the pool's)")
-    encoders: list[Literal["stain_invariant", "plain"]] = Field(
+    encoders: list[Literal["stain_invariant", "plain"] | DoseEncoder] = Field(
         default_factory=lambda: ["stain_invariant", "plain"], min_length=1,
-        description="stain_invariant: the pipeline's encoder; plain: pretrained without stain-perturbed views")
+        description="stain_invariant: the pipeline's encoder; plain: pretrained without stain-perturbed views; "
+                    "{label, name, local_dir, ...}: any registry encoder (all methods retrained on it)")
 
     @model_validator(mode="after")
     def _ordered(self) -> DoseResponseConfig:
         if sorted(set(self.severities)) != list(self.severities) or min(self.severities) < 0:
             raise ValueError(f"severities must be distinct, ascending and >= 0 (got {self.severities})")
+        labels = self.labels()
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"experiments.dose_response.encoders: labels must be distinct (got {labels})")
         return self
+
+    def labels(self) -> list[str]:
+        """Condition names in order: the built-in ones as given, an entry by its label."""
+        return [e if isinstance(e, str) else e.label for e in self.encoders]
+
+    def entry(self, label: str) -> DoseEncoder | None:
+        """The entry of a condition (None for the built-in tiny conditions)."""
+        return next((e for e in self.encoders if not isinstance(e, str) and e.label == label), None)
+
+
+class ProbeConfig(Strict):
+    """Stain-sensitivity probe of each dose-response encoder on the shifted cohort's tissues."""
+
+    seed: int = Field(5151, description="seed of the two stain draws per image")
 
 
 class LeakageConfig(Strict):
@@ -78,6 +129,7 @@ class ExperimentsConfig(Strict):
     leakage: LeakageConfig = LeakageConfig()
     leave_one_site_out: LeaveOneSiteOutConfig = LeaveOneSiteOutConfig()
     calibration: CalibrationConfig = CalibrationConfig()
+    probe: ProbeConfig = ProbeConfig()
 
     @model_validator(mode="after")
     def _principal(self) -> ExperimentsConfig:

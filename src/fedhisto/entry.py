@@ -18,6 +18,9 @@ def setup_logging(log_path: str | None = None) -> None:
         handlers.append(logging.FileHandler(log_path, mode="w"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=handlers, force=True)
+    from fedhisto.progress import silence_library_bars_off_terminal
+
+    silence_library_bars_off_terminal()  # e.g. transformers' "Writing model shards" in a piped log
     sys.excepthook = _log_uncaught  # a stage's error lands in its rule's log, where Snakemake points the user
 
 
@@ -29,7 +32,11 @@ def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: Any) -> Non
 
 
 def from_snakemake(smk: Any) -> Config:
-    """Typed config from a Snakemake ``snakemake`` object, with the rule's log set up."""
+    """Typed config from a Snakemake ``snakemake`` object, with the rule's log set up and no live progress
+    bars (jobs running side by side share one stderr; each step logs one line instead)."""
+    from fedhisto.progress import disable_bars
+
+    disable_bars()
     setup_logging(smk.log[0] if len(smk.log) else None)
     return load_config(dict(smk.config), source="snakemake config")
 

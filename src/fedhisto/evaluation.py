@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from sklearn.metrics import average_precision_score, roc_auc_score
 
 from fedhisto import CLASSES
 
@@ -105,6 +104,10 @@ def ece(probs: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
 
 
 def classification_metrics(probs: np.ndarray, y: np.ndarray, ece_bins: int = 15) -> dict:
+    # imported here: training, prediction and the bootstrap use this module's F1 only, and scikit-learn costs
+    # each of those jobs about 1-2 s of start-up (docs/performance.md, levers)
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
     probs = np.asarray(probs, dtype=np.float64)
     y = np.asarray(y, dtype=int)
     pred = probs.argmax(1)

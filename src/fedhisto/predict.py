@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from fedhisto.train.inference import predict
 from fedhisto.train.stage import descriptors_for
 
 STAGE = "predict"
+log = logging.getLogger(__name__)
 COHORTS = ("test", "holdout", "external")
 
 
@@ -83,13 +85,36 @@ def member_temperatures(train_dir: Path, members: list[str]) -> dict[str, float]
 def run_predict(method: str, seed: int, train_dir: str | Path, manifest_csv: str | Path, manifest_json: str | Path,
                 descriptors_json: str | Path, cfg: Config, out_dir: str | Path, encoder_dir: str | None = None,
                 threads: int = 1) -> dict:
+    """Predict one run (``method``, ``seed``) into ``out_dir``."""
+    return run_predict_seeds(method, [(seed, train_dir, out_dir)], manifest_csv, manifest_json, descriptors_json,
+                             cfg, encoder_dir, threads)[seed]
+
+
+def run_predict_seeds(method: str, runs: list[tuple[int, str | Path, str | Path]], manifest_csv: str | Path,
+                      manifest_json: str | Path, descriptors_json: str | Path, cfg: Config,
+                      encoder_dir: str | None = None, threads: int = 1) -> dict[int, dict]:
+    """Predict every ``(seed, train_dir, out_dir)`` of one method in this process.
+
+    The evaluation images are decoded once for all seeds (one process start and one decode instead of one per
+    seed); each seed's model is built and its files written exactly as a run of its own would."""
     torch.set_num_threads(max(threads, 1))
-    train_dir, out = Path(train_dir), Path(out_dir)
-    m, model, members, status, device = load_run(method, seed, train_dir, manifest_json, cfg, encoder_dir)
     with Path(manifest_csv).open() as fh:
         meta = {r["sample_id"]: r for r in csv.DictReader(fh)}
     # inference never touches the optimisation images: do not decode them
     parts = load_partitions(manifest_csv, cfg.views.crop_size, splits=("holdout", "test", "external"))
+    results = {}
+    for seed, train_dir, out_dir in runs:
+        results[seed] = _predict_run(method, seed, Path(train_dir), Path(out_dir), meta, parts, manifest_csv,
+                                     manifest_json, descriptors_json, cfg, encoder_dir)
+        log.info("predict %s seed %d: %s", method, seed,
+                 ", ".join(f"{c} {n} rows" for c, n in results[seed]["images"].items()))
+    return results
+
+
+def _predict_run(method: str, seed: int, train_dir: Path, out: Path, meta: dict, parts: dict,
+                 manifest_csv: str | Path, manifest_json: str | Path, descriptors_json: str | Path, cfg: Config,
+                 encoder_dir: str | None) -> dict:
+    m, model, members, status, device = load_run(method, seed, train_dir, manifest_json, cfg, encoder_dir)
     clients = sorted({k.split(":")[0] for k in parts if k.endswith(":holdout")})
     desc = descriptors_for(m, descriptors_json, clients)
     groups = {"test": [("test", "global")], "external": [("external", "global")],

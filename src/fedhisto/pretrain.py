@@ -7,6 +7,10 @@ and external image) with only the five client sites' stains, each image seen thr
 training views' stain perturbation (geometry-only views when ``stain_views`` is off: the dose-response
 experiment's plain encoder). The external site's stain is never shown. The encoder is
 then saved with ``save_pretrained`` and loaded through the same strict loader as HIBOU-B.
+
+``objective: self_supervised`` replaces the synthetic pool by the clients' own optimisation
+images and the class labels by SimCLR (:mod:`fedhisto.pretrain_ssl`), for real cohorts. Either
+way the report lists the run's caveats (:mod:`fedhisto.caveats`), also logged as warnings.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from fedhisto import CLASSES
 from fedhisto.atomic import write_json
+from fedhisto.caveats import log_caveats
 from fedhisto.config import Config
 from fedhisto.model.build import set_determinism
 from fedhisto.model.encoder import random_encoder
@@ -57,11 +62,15 @@ def pretrain_view(image: np.ndarray, cfg: Config, epoch: int, index: int) -> tor
                           stain_single=pc.stain_views)[0]
 
 
-def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
+def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1, manifest_csv: str | Path | None = None) -> dict:
+    """``manifest_csv``: the manifest whose optimisation images ``objective: self_supervised`` trains on."""
     torch.set_num_threads(max(threads, 1))
     set_determinism()
+    caveats = log_caveats(cfg, log)
     pc = cfg.model.pretrain
     torch.manual_seed(pc.seed)
+    if pc.objective == "self_supervised":
+        return _run_self_supervised(cfg, out_dir, manifest_csv, caveats)
     images, labels = render_pool(cfg)
     encoder = random_encoder(cfg.model.encoder.name)
     head = nn.Linear(encoder.dim, len(CLASSES))
@@ -91,8 +100,26 @@ def run_pretrain(cfg: Config, out_dir: str | Path, threads: int = 1) -> dict:
     out = Path(out_dir)
     encoder.module.eval()
     encoder.save(out)
-    report = {"pool_images": len(images), "sites": CLIENT_SITES, "history": history,
+    report = {"pool_images": len(images), "sites": CLIENT_SITES, "history": history, "caveats": caveats,
               "provenance": provenance_block(STAGE, stage_block(cfg, STAGE)),
+              "runtime": runtime_block(torch.device("cpu"))}
+    write_json(out / "pretrain_report.json", report)
+    return report
+
+
+def _run_self_supervised(cfg: Config, out_dir: str | Path, manifest_csv: str | Path | None, caveats: list[str]) -> dict:
+    from fedhisto.pretrain_ssl import PretrainDataError, pretrain_self_supervised
+
+    if manifest_csv is None:
+        raise PretrainDataError("model.pretrain.objective self_supervised needs the manifest (its optimisation "
+                                "images); the pretrain rule passes results/manifest/manifest.csv")
+    encoder = random_encoder(cfg.model.encoder.name)
+    history, record = pretrain_self_supervised(encoder, cfg, manifest_csv)
+    out = Path(out_dir)
+    encoder.module.eval()
+    encoder.save(out)
+    report = {"objective": "self_supervised", "self_supervised": record, "history": history, "caveats": caveats,
+              "provenance": provenance_block(STAGE, stage_block(cfg, STAGE), {"manifest": manifest_csv}),
               "runtime": runtime_block(torch.device("cpu"))}
     write_json(out / "pretrain_report.json", report)
     return report

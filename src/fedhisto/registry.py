@@ -63,7 +63,7 @@ def register(name: str, target: Any, config_key: str | None = None, *, settings:
     """Add a method. ``target``: a :class:`fedhisto.methods.base.Method` subclass or its import path;
     ``config_key``: the ``train.<key>`` block of the method's settings (it enters the run identity of
     this method only); ``settings``: the pydantic class of that block (or its import path, kept in the
-    package's generated ``settings.schema.json`` so the config never imports the method); ``options``:
+    package's generated ``method_settings.schema.json`` so the config never imports the method); ``options``:
     keyword arguments the class is constructed with (e.g. a family's switches); ``comparison``: the name
     of a default bootstrap comparison of past_v2 against this method (Tables 5-6)."""
     if not _NAME.match(name):

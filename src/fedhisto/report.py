@@ -44,9 +44,13 @@ def unavailability_notes(summary: list[dict], methods: set[str]) -> list[str]:
 
 def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], communication_csv: str | Path,
                external_predictions: dict[str, list[str]], tables_dir: str | Path, figures_dir: str | Path,
-               manifest_dir: str | Path | None = None, bootstrap: dict | None = None) -> None:
+               manifest_dir: str | Path | None = None, bootstrap: dict | None = None,
+               caveats: list[str] = ()) -> None:
     """``bootstrap``: ``seed``, ``resamples``, ``confidence`` of the figures' intervals (the
-    ``bootstrap`` config block; missing keys take its defaults). Tables do not depend on it."""
+    ``bootstrap`` config block; missing keys take its defaults). Tables do not depend on it.
+    ``caveats``: :func:`fedhisto.caveats.run_caveats` of the run's config, printed as
+    ``CAVEAT`` notes under Tables 4 and 5 (none on the synthetic cohort: those tables as before)."""
+    warned = [f"CAVEAT: {c}" for c in caveats]
     m = json.loads(Path(metrics_json).read_text())
     tables, figures = Path(tables_dir), Path(figures_dir)
     if manifest_dir is not None:  # Table 2 as built beside the study's, with the scaling line (fedhisto.targets)
@@ -60,7 +64,8 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "ece_mean": row["test_ece_mean"], "worst_client_macro_f1_mean": row["worst_client_macro_f1_mean"],
                    "worst_client_macro_f1_sd": row["worst_client_macro_f1_sd"],
                    "unavailable_client_rounds": row.get("unavailable_client_rounds", 0)})
-    write_table(tables / "table4_internal", t4, "Table 4: internal global test (finalised seeds, mean and sample SD)")
+    write_table(tables / "table4_internal", t4, "Table 4: internal global test (finalised seeds, mean and sample SD)",
+                warned)
     missed = {r["method"]: r.get("unavailable_client_rounds", 0) for r in m["summary"]}
     t5 = []
     for method, e in m["ensembles"].items():
@@ -68,7 +73,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "accuracy": e["accuracy"], **{f"recall_{c}": e["per_class"][c]["recall"] for c in CLASSES},
                    "nll": e["nll"], "brier": e["brier"], "ece": e["ece"],
                    "unavailable_client_rounds": missed.get(method, 0)})
-    write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles")
+    write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles", warned)
     boots = [json.loads(Path(p).read_text()) for p in bootstrap_jsons]
     for path, b in zip(bootstrap_jsons, boots, strict=True):
         if "ablation" not in b:

@@ -19,7 +19,7 @@ from fedhisto.config_base import identity_dump
 from fedhisto.registry import registration, settings_blocks
 
 #: TrainConfig keys that choose which runs exist rather than how a run trains.
-RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds")
+RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds", "comparator_seeds")
 
 
 def training_settings(cfg: Config, method: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from snakemake.utils import validate
 
 from fedhisto.bootstrap import comparison_files
 from fedhisto.config import load_config
+from fedhisto.experiments import layout as experiment_layout
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.zoo import encoder_entry
@@ -34,9 +35,28 @@ def planted_input(wildcards):
 
 
 def train_runs():
-    """(method, seed) of every configured run: principal methods x seeds, ablations x ablation seeds."""
-    runs = [(m, s) for m in CFG.train.methods for s in CFG.train.seeds]
-    return runs + [(m, s) for m in CFG.train.ablations for s in CFG.train.ablation_seeds]
+    """(method, seed) of every configured run: principal methods x seeds, extra comparators x
+    comparator seeds (train.seeds unless set), ablations x ablation seeds."""
+    return CFG.train_runs()
+
+
+def method_seeds(method):
+    return CFG.trained_seeds(method)
+
+
+def seed_groups():
+    """[(seeds, methods)]: the configured methods grouped by the seed list they train on, that of
+    train.seeds first. One prediction rule per group, since a rule's outputs are fixed patterns."""
+    groups = {tuple(CFG.train.seeds): []}
+    for m in [*CFG.train.methods, *CFG.train.ablations]:
+        groups.setdefault(tuple(method_seeds(m)), []).append(m)
+    return [(list(seeds), methods) for seeds, methods in groups.items() if methods]
+
+
+def predict_rule_name(seeds):
+    """`predict_cohorts` for the methods on train.seeds; `predict_cohorts_seeds_11_33_55` for others."""
+    return "predict_cohorts" if list(seeds) == list(CFG.train.seeds) else "predict_cohorts_seeds_" + "_".join(
+        map(str, seeds))
 
 
 def encoder_input(wildcards):
@@ -91,3 +111,21 @@ def predict_mem_mb(wildcards):
 
 def predict_runtime(wildcards):
     return ENCODER_RESOURCES.predict_runtime
+
+
+def pretrain_inputs(wildcards):
+    """The manifest, only when the tiny encoder is pretrained on the clients' optimisation images."""
+    ssl = CFG.model.pretrain.objective == "self_supervised"
+    return {"manifest": "results/manifest/manifest.csv"} if ssl else {}
+
+
+def encoder_gpu(encoder, wildcards):
+    """A dose-response encoder entry asks for its own device; the built-in conditions, the main encoder's."""
+    if CFG.experiments.dose_response.entry(encoder):
+        return experiment_layout.entry_resources(CFG, encoder)["gpu"]
+    return train_gpu(wildcards)
+
+
+def predict_method_runtime(wildcards):
+    """One job predicts every seed of a method."""
+    return predict_runtime(wildcards) * len(method_seeds(wildcards.method))

@@ -7,7 +7,8 @@ from fedhisto.experiments import layout as X
 
 wildcard_constraints:
     condition=X.condition_pattern(),
-    encoder="stain_invariant|plain",
+    encoder=X.encoder_pattern(CFG),
+    label=X.entry_pattern(CFG),
 
 
 rule render_shifted_cohort:
@@ -30,6 +31,8 @@ rule render_shifted_cohort:
 
 
 rule pretrain_plain_encoder:
+    input:
+        unpack(pretrain_inputs),
     output:
         encoder=directory(X.PLAIN_ENCODER),
     log:
@@ -134,6 +137,29 @@ rule predict_condition:
         "../../scripts/predict.py"
 
 
+rule train_encoder_condition:
+    # a dose-response encoder entry ({label, name, local_dir}): the main manifest, retrained on that encoder
+    input:
+        unpack(lambda wildcards: X.condition_inputs(CFG, f"dose_response/{wildcards.label}")),
+    output:
+        status=f"{X.ROOT}/dose_response/{{label}}/train/{{method}}/seed{{seed}}/status.json",
+        history=f"{X.ROOT}/dose_response/{{label}}/train/{{method}}/seed{{seed}}/history.csv",
+    log:
+        "logs/experiments/dose_response/{label}/train/{method}/seed{seed}.log",
+    params:
+        block=lambda wildcards: stage_block(X.condition_config(CFG, f"dose_response/{wildcards.label}"), "train",
+                                            method=wildcards.method, seed=wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=lambda wildcards: X.entry_resources(CFG, wildcards.label)["mem_mb"],
+        runtime=lambda wildcards: X.entry_resources(CFG, wildcards.label)["runtime"],
+        gpu=lambda wildcards: X.entry_resources(CFG, wildcards.label)["gpu"],
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
 rule predict_shifted_cohort:
     input:
         unpack(lambda wildcards: X.shifted_inputs(CFG, wildcards.encoder, wildcards.method, wildcards.seed)),
@@ -142,12 +168,12 @@ rule predict_shifted_cohort:
     log:
         "logs/experiments/dose_response/{encoder}/predict/{method}/seed{seed}.log",
     params:
-        block=lambda wildcards: X.shifted_block(CFG, wildcards.method, wildcards.seed),
+        block=lambda wildcards: X.shifted_block(CFG, wildcards.method, wildcards.seed, wildcards.encoder),
     threads: 1
     resources:
         mem_mb=predict_mem_mb,
         runtime=predict_runtime,
-        gpu=train_gpu,
+        gpu=lambda wildcards: encoder_gpu(wildcards.encoder, wildcards),
     conda:
         ENV
     script:
@@ -240,3 +266,46 @@ rule calibrate_checkpoints:
     script:
         "../../scripts/experiments.py"
 
+
+
+rule probe_encoder:
+    input:
+        unpack(lambda wildcards: X.probe_encoder_inputs(CFG, wildcards.encoder)),
+    output:
+        json=f"{X.ROOT}/probe/{{encoder}}/probe.json",
+        per_image=f"{X.ROOT}/probe/{{encoder}}/per_image.csv",
+    log:
+        "logs/experiments/probe/{encoder}.log",
+    params:
+        block=lambda wildcards: X.probe_block(CFG, wildcards.encoder),
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=lambda wildcards: encoder_gpu(wildcards.encoder, wildcards),
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule summarize_probe:
+    input:
+        probes=list(X.probe_files(CFG).values()),
+        dose_response=f"{X.ROOT}/dose_response/dose_response.json",
+    output:
+        **X.summary_files("probe"),
+    log:
+        "logs/experiments/summarize_probe.log",
+    params:
+        probes=X.probe_files(CFG),
+        block=X.experiment_block(CFG, "probe"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"

@@ -1,8 +1,11 @@
 # Stage pretrain: features for the tiny encoder from a disjoint synthetic pool (only when
-# model.pretrain.enabled; HIBOU-B arrives pretrained and is never retrained).
+# model.pretrain.enabled; HIBOU-B arrives pretrained and is never retrained), or self-supervised on the
+# clients' optimisation images (model.pretrain.objective: self_supervised; then it reads the manifest).
 
 
 rule pretrain_encoder:
+    input:
+        unpack(pretrain_inputs),
     output:
         encoder=directory("results/pretrain/encoder"),
     log:

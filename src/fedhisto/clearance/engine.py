@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 
 import numpy as np
-from tqdm import tqdm
 
 from fedhisto.clearance.candidates import bag_of_words, global_descriptor, knn_cosine, knn_pairs
 from fedhisto.clearance.families import UnionFind, components
@@ -17,6 +16,7 @@ from fedhisto.clearance.linking import link_families
 from fedhisto.clearance.verify import Features, Verdict, extract, make_detector, verify
 from fedhisto.config import ClearanceConfig
 from fedhisto.imageio import load_rgb
+from fedhisto.progress import Progress
 
 log = logging.getLogger(__name__)
 EDGE_COLUMNS = ("a", "b", "stage", "score", "threshold", "decision", "inliers", "min_inliers", "scale",
@@ -67,7 +67,7 @@ def _verify_pair(pair: tuple[int, int]) -> tuple[tuple[int, int], Verdict | str]
 
 
 def _pool_map(fn, items: list, threads: int, desc: str, progress: bool) -> list:
-    bar = tqdm(total=len(items), desc=desc, unit="it", disable=not progress)
+    bar = Progress(len(items), desc, "image", logger=log, bar=progress)
     out = []
     if threads <= 1 or len(items) < 64:
         for it in items:
@@ -153,7 +153,7 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     _STATE["prints"] = prints
     failures: list[dict] = []
     batch = max(256, 64 * threads)
-    bar = tqdm(total=len(candidates), desc="verify", unit="pair", disable=not progress)
+    bar = Progress(len(candidates), "verify", "pair", logger=log, bar=progress)
     # one pool for every batch, forked after the fingerprints exist so workers inherit them
     pool = get_context("fork").Pool(threads) if threads > 1 and len(candidates) >= 64 else None
     verify_map = (lambda items: pool.imap(_verify_pair, items, chunksize=8)) if pool else \

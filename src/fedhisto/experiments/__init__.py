@@ -1,6 +1,6 @@
 """Controlled experiments the study could not run (``snakemake experiments``; designs in docs/experiments.md).
 
-Four experiments, each under ``results/experiments/<name>/`` with a CSV, a JSON with provenance and
+Five experiments, each under ``results/experiments/<name>/`` with a CSV, a JSON with provenance and
 one figure, plus the per-image predictions they are computed from:
 
 - ``dose_response``: the external cohort re-rendered at several stain/scanner shift severities,
@@ -9,7 +9,9 @@ one figure, plus the per-image predictions they are computed from:
   clean policies (``representatives``, ``whole_families``);
 - ``leave_one_site_out``: FedStain's domain-generalisation protocol, four clients train and the
   fifth site's images test;
-- ``calibration``: temperature scaling per checkpoint, fitted on its validation predictions.
+- ``calibration``: temperature scaling per checkpoint, fitted on its validation predictions;
+- ``probe``: the stain-sensitivity probe of each dose-response encoder (:mod:`fedhisto.probe`),
+  beside its v2-vs-FedAvg-PEFT gap: does it rank the encoders as the gap does?
 
 Layout and reuse of the main pipeline's artifacts: :mod:`fedhisto.experiments.layout`.
 """

@@ -21,7 +21,7 @@ import numpy as np
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.calibration import apply_temperature, calibration_measures, fit_temperature, reliability_bins
 from fedhisto.config import Config
-from fedhisto.experiments.stats import interval
+from fedhisto.experiment_stats import interval
 from fedhisto.figures import legend_outside, plot_reliability, save_figure
 from fedhisto.predictions import read_predictions
 from fedhisto.provenance import provenance_block, sidecar_path

@@ -19,7 +19,7 @@ import numpy as np
 
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
-from fedhisto.experiments.stats import metric_replicates, paired_macro_f1, summarise
+from fedhisto.experiment_stats import metric_replicates, paired_macro_f1, summarise
 from fedhisto.figures import plot_lines_with_bands, save_figure
 from fedhisto.predictions import AlignmentError, ensemble
 from fedhisto.provenance import provenance_block

@@ -10,10 +10,11 @@ calls it at parse time.
 from __future__ import annotations
 
 from fedhisto.config import Config
+from fedhisto.config_base import identity_dump
 from fedhisto.stage_config import stage_block
 
 ROOT = "results/experiments"
-EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration")
+EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe")
 PLAIN = "dose_response/plain"  # the dose-response condition trained on the plain encoder
 PLAIN_ENCODER = f"{ROOT}/dose_response/encoder_plain"
 
@@ -38,9 +39,10 @@ def condition_inputs(cfg: Config, condition: str) -> dict[str, str | list[str]]:
     """Manifest, its identity, descriptors and encoder a condition's runs train and predict on."""
     main_encoder = ["results/pretrain/encoder"] if cfg.model.pretrain.enabled else []
     if condition.startswith("dose_response/"):  # the main manifest; the plain condition its own encoder
+        entry = cfg.experiments.dose_response.entry(condition.split("/", 1)[1])
+        encoder = [PLAIN_ENCODER] if condition == PLAIN else [] if entry else main_encoder  # an entry: its config
         return {"manifest": "results/manifest/manifest.csv", "identity": "results/manifest/manifest.json",
-                "descriptors": "results/stain/descriptors.json",
-                "encoder": [PLAIN_ENCODER] if condition == PLAIN else main_encoder}
+                "descriptors": "results/stain/descriptors.json", "encoder": encoder}
     if condition.startswith(("leave_one_site_out/", "leakage/")):
         # own stain descriptors: other pools (leakage), or four clients whose standardisation and
         # centroid must not see the left-out site (leave-one-site-out)
@@ -51,7 +53,40 @@ def condition_inputs(cfg: Config, condition: str) -> dict[str, str | list[str]]:
 
 
 def encoder_conditions(cfg: Config) -> list[str]:
-    return [f"dose_response/{e}" for e in cfg.experiments.dose_response.encoders]
+    return [f"dose_response/{label}" for label in cfg.experiments.dose_response.labels()]
+
+
+def encoder_pattern(cfg: Config) -> str:
+    """Wildcard constraint of ``{encoder}``: the built-in tiny conditions and the configured entries."""
+    from fedhisto.config_experiments import TINY_ENCODERS
+
+    return "|".join(dict.fromkeys([*TINY_ENCODERS, *cfg.experiments.dose_response.labels()]))
+
+
+def entry_pattern(cfg: Config) -> str:
+    """Wildcard constraint of ``{label}``: the configured encoder entries only (never matches when none)."""
+    labels = [e for e in cfg.experiments.dose_response.labels() if cfg.experiments.dose_response.entry(e)]
+    return "|".join(labels) if labels else "(?!)"
+
+
+def condition_config(cfg: Config, condition: str) -> Config:
+    """The config a condition's runs train and predict with: ``cfg`` itself except for a dose-response
+    encoder entry, whose encoder (no pipeline pretraining: its weights come from its folder or the
+    hub), input size (the registry entry's unless the entry sets ``crop_size``) and normalisation
+    replace the main ones."""
+    from fedhisto.zoo import encoder_entry
+
+    entry = cfg.experiments.dose_response.entry(condition.split("/", 1)[1]) \
+        if condition.startswith("dose_response/") else None
+    if entry is None:
+        return cfg
+    registry = encoder_entry(entry.name)
+    views = {"crop_size": entry.crop_size or registry.input_size, "normalisation": entry.normalisation}
+    if entry.normalisation == "encoder":
+        views.update(mean=registry.mean, std=registry.std)
+    model = cfg.model.model_copy(update={"encoder": entry.encoder_config(),
+                                         "pretrain": cfg.model.pretrain.model_copy(update={"enabled": False})})
+    return cfg.model_copy(update={"model": model, "views": cfg.views.model_copy(update=views)})
 
 
 def dose_runs(cfg: Config) -> list[tuple[str, str, int]]:
@@ -114,6 +149,37 @@ def condition_manifest_inputs(condition: str) -> dict[str, str]:
     return {"manifest": "results/manifest/manifest.csv", "identity": "results/manifest/manifest.json"}
 
 
+def entry_resources(cfg: Config, label: str) -> dict[str, int]:
+    """Training resources of an encoder entry's runs: its registry entry's hints."""
+    from fedhisto.zoo import encoder_entry
+
+    entry = cfg.experiments.dose_response.entry(label)
+    if entry is None:
+        raise ValueError(f"{label!r} is not an experiments.dose_response.encoders entry")
+    r = encoder_entry(entry.name).resources
+    return {"mem_mb": r.train_mem_mb, "runtime": r.train_runtime, "gpu": r.gpu}
+
+
+def probe_encoder_inputs(cfg: Config, encoder: str) -> dict[str, str | list[str]]:
+    """The shifted cohort and the folder of a dose-response condition's frozen encoder (none: from its config)."""
+    return {"cohort": f"{ROOT}/dose_response/cohort/cohort.csv",
+            "encoder": condition_inputs(cfg, f"dose_response/{encoder}")["encoder"]}
+
+
+def probe_files(cfg: Config) -> dict[str, str]:
+    """Per dose-response encoder condition: its probe's JSON."""
+    return {label: f"{ROOT}/probe/{label}/probe.json" for label in cfg.experiments.dose_response.labels()}
+
+
+def probe_block(cfg: Config, encoder: str) -> dict:
+    """What one encoder's probe depends on beyond its input files."""
+    c = condition_config(cfg, f"dose_response/{encoder}")
+    x = cfg.experiments
+    return {"probe": x.probe.model_dump(mode="json"), "severities": x.dose_response.severities,
+            "encoder": identity_dump(c.model.encoder), "views": identity_dump(c.views),
+            "resamples": x.resamples, "bootstrap_seed": x.bootstrap_seed, "eval_batch": c.evaluate.eval_batch}
+
+
 def shifted_inputs(cfg: Config, encoder: str, method: str, seed: int) -> dict[str, str | list[str]]:
     """A dose-response run's checkpoint (main runs for the stain-invariant encoder) and what it predicts with."""
     condition = f"dose_response/{encoder}"
@@ -132,9 +198,10 @@ def experiment_block(cfg: Config, name: str) -> dict:
             name: getattr(x, name).model_dump(mode="json")}
 
 
-def shifted_block(cfg: Config, method: str, seed: int) -> dict:
-    """Shifted-cohort predictions are never temperature-scaled: the predict block without that flag."""
-    block = stage_block(cfg, "predict", method=method, seed=seed)
+def shifted_block(cfg: Config, method: str, seed: int, encoder: str = "stain_invariant") -> dict:
+    """Shifted-cohort predictions are never temperature-scaled: the predict block without that flag
+    (of the encoder condition's config: the main one for the built-in tiny conditions)."""
+    block = stage_block(condition_config(cfg, f"dose_response/{encoder}"), "predict", method=method, seed=seed)
     block.pop("temperature_scaling", None)
     return block
 

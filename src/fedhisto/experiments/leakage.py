@@ -19,7 +19,7 @@ import numpy as np
 
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
-from fedhisto.experiments.stats import difference, metric_replicates, summarise
+from fedhisto.experiment_stats import difference, metric_replicates, summarise
 from fedhisto.figures import legend_outside, plot_bars_with_ci, save_figure
 from fedhisto.predictions import ensemble
 from fedhisto.provenance import provenance_block

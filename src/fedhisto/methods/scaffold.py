@@ -79,7 +79,7 @@ from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods.base import GLOBAL, Batch, LocalRun, Method, RoundUpdate, balanced_cross_entropy
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.data import Split, eval_batches
+from fedhisto.splits import Split, eval_batches
 
 State = dict[str, torch.Tensor]
 

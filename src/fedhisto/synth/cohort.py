@@ -9,6 +9,7 @@ each family lands exactly on the profile's counts.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,17 +18,18 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from tqdm import tqdm
 
 from fedhisto import CLASSES
 from fedhisto.atomic import write_bytes, write_csv
 from fedhisto.config import SyntheticCohort
 from fedhisto.profiles import PROFILES
+from fedhisto.progress import progress_iter
 from fedhisto.sources import SourceRow
 from fedhisto.synth.families import encode_jpeg, make_copy
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 
+log = logging.getLogger(__name__)
 LC_FOLDER = {"ACA": "lung_aca", "Normal": "lung_n", "SCC": "lung_scc"}
 LH_PREFIX = {"ACA": "aca", "Normal": "nor", "SCC": "scc"}
 LH_DIFF = {"well": "bd", "moderately": "md", "poorly": "pd"}
@@ -158,10 +160,10 @@ def _copy_job(args: tuple[Member, Member, SyntheticCohort, str]) -> str:
 
 def _parallel_map(fn, jobs: Sequence, threads: int, desc: str) -> list:
     if threads <= 1:
-        return [fn(j) for j in tqdm(jobs, desc=desc, unit="img")]
+        return [fn(j) for j in progress_iter(jobs, desc=desc, unit="img", logger=log)]
     # fork: workers inherit the imported modules (cheap) and need no importable __main__
     with get_context("fork").Pool(threads) as pool:
-        return list(tqdm(pool.imap(fn, jobs, chunksize=8), total=len(jobs), desc=desc, unit="img"))
+        return list(progress_iter(pool.imap(fn, jobs, chunksize=8), total=len(jobs), desc=desc, unit="img", logger=log))
 
 
 def synthesize(cfg: SyntheticCohort, out_dir: Path, threads: int = 1) -> tuple[list[SourceRow], list[Member]]:

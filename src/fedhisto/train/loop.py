@@ -41,7 +41,7 @@ from fedhisto.config import Config
 from fedhisto.fedmath.aggregate import flat_update
 from fedhisto.methods.base import Method, RoundUpdate
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.progress import progress
+from fedhisto.progress import Progress
 from fedhisto.train.local import LocalResult
 
 State = dict[str, torch.Tensor]
@@ -208,8 +208,9 @@ def run_rounds(method: Method, parts: Participants, model: FedHistoModel, cfg: C
     kill (tests)."""
     t = cfg.train
     ckpt = start_or_resume(checkpoint, identity, lambda: fresh_checkpoint(model, method, parts.names, identity))
-    bar = progress(total=t.max_rounds, initial=ckpt["round"], desc=f"{identity['method']} s{identity['seed']}",
-                   unit="round")
+    # the rule log gets close_round's one line per round; a terminal also gets a bar
+    bar = Progress(t.max_rounds, f"{identity['method']} s{identity['seed']}", "round", initial=ckpt["round"],
+                   logger=log, summary=False)
     try:
         while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
             r = ckpt["round"]

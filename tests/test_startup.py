@@ -1,0 +1,26 @@
+"""Start-up cut (issue 22, item 1): a stage imports only what it uses. Every job is a fresh process, so an
+unused import (scikit-learn, matplotlib, the experiments package) is paid once per job, 54+ times per run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+UNUSED = ("sklearn", "matplotlib", "fedhisto.experiments")
+# training, prediction, the bootstrap and the Flower ClientApp / SuperNode side
+LEAN = ("fedhisto.predict", "fedhisto.train.stage", "fedhisto.bootstrap", "fedhisto.federation.client_app",
+        "fedhisto.federation.site")
+
+
+def test_training_prediction_bootstrap_and_the_flower_client_import_no_unused_heavy_package():
+    # one process for all five (each costs seconds of torch/peft start-up); a culprit is named per module
+    code = ("import importlib, json, sys\nfound = {}\n"
+            f"for name in {LEAN!r}:\n"
+            "    importlib.import_module(name)\n"
+            f"    found[name] = [m for m in {UNUSED!r} if m in sys.modules]\n"
+            "print(json.dumps(found))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found == {name: [] for name in LEAN}, f"unused packages imported (first module to show them): {found}"
