@@ -3,6 +3,8 @@
 Usage::
 
     python benchmarks/clearance_benchmark.py [--shared ../shared] [--sizes 1000 3000] [--threads 2]
+        [--links off 6x2 ...] [--corpora sample degraded real-families planted] [--degrade 80:50 ...]
+        [--skip-real] [--skip-imagededup]
 
 1. Real images (``<shared>/realdata/lc25000-sample`` with curated family labels in MANIFEST.tsv):
    pairwise precision / recall / F1 and ARI per class, class-mixing check, images per second,
@@ -11,6 +13,17 @@ Usage::
 2. Speed at scale on LC25000-shaped synthetic corpora (families of 20: an original and 19
    copies rotated by up to 25 degrees with crop-and-zoom and random flips, 224 px JPEG), so
    cost per 1,000 images and its growth can be read off, with pairwise F1 against the truth.
+
+3. The second pass (``clearance.link_min_inliers`` x ``link_min_pairs``, written ``6x2``; ``off``
+   is the first pass alone) side by side on every corpus: pairwise precision / recall, true
+   families split over two or more detected families, detected families merging two true ones,
+   links made. ``--corpora``: the real sample as it is (``sample``) and degraded (``degraded``,
+   sizes from ``--degrade SIZE:QUALITY``: downscaled and re-encoded, which makes the first pass
+   split families); LC25000-shaped families of real tiles (``real-families``: the WSSS4LUAD,
+   tiatoolbox and 768 px LC25000 images of the shared folder plus one image per LC25000 sample
+   family, each given 19 rotated / zoomed / flipped copies); the embedded default's planted
+   families (``planted``: its synthetic cohort rendered into a temporary folder); and the
+   ``--sizes`` synthetic LC25000-shaped corpora.
 
 imagededup is not a project dependency: its package imports torchvision at import time, which
 cannot be installed beside the CPU torch build, so this script installs it with ``--no-deps``
@@ -33,7 +46,9 @@ from PIL import Image
 
 from fedhisto.clearance.engine import audit_images
 from fedhisto.clearance.families import components, pairwise_scores
-from fedhisto.config import ClearanceConfig
+from fedhisto.cohort import run_cohort
+from fedhisto.config import ClearanceConfig, CohortConfig
+from fedhisto.sources import read_sources_csv
 from fedhisto.synth.families import encode_jpeg, rotate_zoom
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
@@ -73,13 +88,138 @@ def score_by_class(truth: list[str], found: list[str], classes: list[str]) -> di
     return out
 
 
-def real_benchmark(shared: Path, threads: int) -> None:
+def parse_link(spec: str) -> tuple[int | None, int]:
+    """``off`` (first pass only) or ``<link_min_inliers>x<link_min_pairs>``, e.g. ``6x2``."""
+    if spec == "off":
+        return None, 2
+    inliers, _, pairs = spec.partition("x")
+    return int(inliers), int(pairs or 2)
+
+
+def split_and_merged(truth: list[str], found: list[str]) -> tuple[int, int, int]:
+    """(true families of 2+ split over 2+ detected families, how many such families, detected
+    families of 2+ holding members of 2+ true families)."""
+    by_truth: dict[str, set[str]] = {}
+    by_found: dict[str, set[str]] = {}
+    for t, f in zip(truth, found, strict=True):
+        by_truth.setdefault(t, set()).add(f)
+        by_found.setdefault(f, set()).add(t)
+    sizes = {t: truth.count(t) for t in by_truth}
+    split = sum(1 for t, fs in by_truth.items() if sizes[t] > 1 and len(fs) > 1)
+    merged = sum(1 for ts in by_found.values() if len(ts) > 1)
+    return split, sum(1 for t in by_truth if sizes[t] > 1), merged
+
+
+def compare_links(label: str, paths: list[str], truth: list[str], links: list[str], threads: int) -> None:
+    """First pass alone and each second-pass setting on one corpus."""
+    print(f"[{label}] {len(paths)} images, {len(set(truth))} true families (singletons included)")
+    for spec in links:
+        link_min_inliers, link_min_pairs = parse_link(spec)
+        cfg = ClearanceConfig(link_min_inliers=link_min_inliers, link_min_pairs=link_min_pairs)
+        t0 = time.perf_counter()
+        res = audit_images(paths, cfg, threads=threads, progress=False)
+        secs = time.perf_counter() - t0
+        found = families_from(res.families, len(paths))
+        s = pairwise_scores(truth, found)
+        split, families, merged = split_and_merged(truth, found)
+        link_s = res.stats["seconds"].get("link", 0.0)
+        print(f"[{label}] {spec:>5s}: pairwise P {s['precision']:.4f} R {s['recall']:.4f} F1 {s['f1']:.4f}; "
+              f"families split {split} / {families}, merged {merged}; links {res.stats.get('family_links', 0)} "
+              f"({s['found_pairs']} found / {s['true_pairs']} true pairs; {secs:.1f} s, second pass {link_s} s)")
+
+
+def lc25000_rows(shared: Path) -> list[dict]:
+    manifest = shared / "realdata" / "MANIFEST.tsv"
+    return [r for r in csv.DictReader(manifest.open(), delimiter="\t") if r["path"].startswith("lc25000-sample/")]
+
+
+def degraded_copies(paths: list[str], folder: Path, size: int, quality: int) -> list[str]:
+    """The same images downscaled to ``size`` px and re-encoded at JPEG ``quality``."""
+    out = []
+    for i, p in enumerate(paths):
+        img = Image.open(p).convert("RGB").resize((size, size), Image.Resampling.LANCZOS)
+        target = folder / f"{i:04d}.jpeg"
+        target.write_bytes(encode_jpeg(img, quality))
+        out.append(str(target))
+    return out
+
+
+def real_originals(shared: Path) -> list[Image.Image]:
+    """Distinct real tissue pictures: WSSS4LUAD tiles, nine crops of the 1000 px tiatoolbox tile,
+    one 768 px LC25000 original, and the first image of each LC25000 sample family."""
+    root = shared / "realdata"
+    pics = [Image.open(p).convert("RGB") for p in sorted((root / "wsss4luad-sample").glob("luad_*_img*/*"))
+            + sorted((root / "wsss4luad-sample" / "luad_training_examples").glob("*"))]
+    tile = Image.open(root / "he-tile" / "tiatoolbox_target_image.png").convert("RGB")
+    step = tile.width // 3
+    pics += [tile.crop((x, y, x + step, y + step)) for y in range(0, 3 * step, step) for x in range(0, 3 * step, step)]
+    pics.append(Image.open(root / "lc25000-originals-768" / "lung_aca-lungaca1__GeorgeBatch.jpeg").convert("RGB"))
+    first: dict[str, str] = {}
+    for r in lc25000_rows(shared):
+        first.setdefault(r["family"], r["path"])
+    pics += [Image.open(root / p).convert("RGB") for p in first.values()]
+    return [p.crop((0, 0, min(p.size), min(p.size))) for p in pics]
+
+
+def augmentation_families(originals: list[Image.Image], folder: Path, family_size: int = 20,
+                          seed: int = 0) -> tuple[list[str], list[str]]:
+    """LC25000's recipe on real pictures: rotation up to 25 degrees with zoom, random flips, 224 px JPEG."""
+    rng = np.random.default_rng(seed)
+    paths, truth = [], []
+    for fam, original in enumerate(originals):
+        base = original.resize((448, 448), Image.Resampling.LANCZOS)
+        for m in range(family_size):
+            img = base if m == 0 else rotate_zoom(base, float(rng.uniform(-25, 25)))
+            if m and rng.random() < 0.5:
+                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            if m and rng.random() < 0.5:
+                img = img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+            p = folder / f"{fam:03d}_{m:02d}.jpeg"
+            p.write_bytes(encode_jpeg(img.resize((224, 224), Image.Resampling.LANCZOS), 90))
+            paths.append(str(p))
+            truth.append(str(fam))
+    order = rng.permutation(len(paths))
+    return [paths[i] for i in order], [truth[i] for i in order]
+
+
+def link_benchmark(shared: Path, links: list[str], corpora: list[str], degrade: list[str], threads: int) -> None:
+    if not (shared / "realdata" / "MANIFEST.tsv").exists():
+        print("[link] real corpora skipped: no realdata folder")
+        return
+    rows = lc25000_rows(shared)
+    paths = [str(shared / "realdata" / r["path"]) for r in rows]
+    truth = [r["family"] for r in rows]
+    if "sample" in corpora:
+        compare_links("real 224px", paths, truth, links, threads)
+    for spec in degrade if "degraded" in corpora else []:
+        size, quality = (int(v) for v in spec.split(":"))
+        with tempfile.TemporaryDirectory() as tmp:
+            compare_links(f"real {size}px q{quality}", degraded_copies(paths, Path(tmp), size, quality), truth,
+                          links, threads)
+    if "real-families" in corpora:
+        with tempfile.TemporaryDirectory() as tmp:
+            originals = real_originals(shared)
+            fam_paths, fam_truth = augmentation_families(originals, Path(tmp))
+            compare_links(f"real-tile families ({len(originals)} x 20)", fam_paths, fam_truth, links, threads)
+
+
+def planted_benchmark(links: list[str], threads: int) -> None:
+    """The embedded default's synthetic cohort (originals plus planted transformed copies)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cohort(CohortConfig(), tmp, threads=threads)
+        rows = read_sources_csv(Path(tmp) / "sources.csv")
+        planted = {r["relpath"]: r["family"] for r in csv.DictReader((Path(tmp) / "planted_families.csv").open())}
+        truth = [f"planted-{planted[r.relpath]}" if r.relpath in planted else f"single-{r.relpath}" for r in rows]
+        compare_links("planted (embedded default)", [r.path for r in rows], truth, links, threads)
+
+
+def real_benchmark(shared: Path, threads: int, with_imagededup: bool = True) -> None:
     root = shared / "realdata"
     manifest = root / "MANIFEST.tsv"
     if not manifest.exists():
         print(f"[real] skipped: {manifest} not found")
         return
-    rows = [r for r in csv.DictReader(manifest.open(), delimiter="\t") if r["path"].startswith("lc25000-sample/")]
+    rows = lc25000_rows(shared)
     paths = [str(root / r["path"]) for r in rows]
     truth = [r["family"] for r in rows]
     classes = [CLASSES[r["label"]] for r in rows]
@@ -94,6 +234,8 @@ def real_benchmark(shared: Path, threads: int) -> None:
     for cls, s in score_by_class(truth, found, classes).items():
         print(f"[real]   fedhisto {cls:6s} precision {s['precision']:.4f} recall {s['recall']:.4f} "
               f"F1 {s['f1']:.4f} ARI {s['ari']:.4f}")
+    if not with_imagededup:
+        return
     try:
         phash = imagededup_phash()
     except Exception as exc:  # offline or incompatible: say so, keep the fedhisto figures
@@ -136,10 +278,13 @@ def lc25000_like_corpus(folder: Path, n_images: int, family_size: int = 20, seed
     return [paths[i] for i in order], [truth[i] for i in order]
 
 
-def scale_benchmark(sizes: list[int], threads: int) -> None:
+def scale_benchmark(sizes: list[int], threads: int, links: list[str] | None = None) -> None:
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             paths, truth = lc25000_like_corpus(Path(tmp), n)
+            if links:  # quality of each second-pass setting on the same synthetic corpus
+                compare_links(f"synthetic LC25000-shaped {n}", paths, truth, links, threads)
+                continue
             t0 = time.perf_counter()
             res = audit_images(paths, ClearanceConfig(), threads=threads, progress=False)
             secs = time.perf_counter() - t0
@@ -156,9 +301,22 @@ def main() -> None:
     parser.add_argument("--shared", default=str(REPO.parent / "shared"))
     parser.add_argument("--sizes", type=int, nargs="*", default=[1000, 3000])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--links", nargs="*", default=[], help="second-pass settings to compare, e.g. off 6x2 5x2")
+    parser.add_argument("--corpora", nargs="*", default=["sample", "degraded", "real-families", "planted"],
+                        choices=["sample", "degraded", "real-families", "planted"],
+                        help="corpora the --links settings are compared on (the --sizes corpora always are)")
+    parser.add_argument("--degrade", nargs="*", default=["80:50", "64:40"], help="SIZE:QUALITY of the degraded sample")
+    parser.add_argument("--skip-real", action="store_true", help="skip section 1 (real sample, imagededup)")
+    parser.add_argument("--skip-imagededup", action="store_true")
     args = parser.parse_args()
-    real_benchmark(Path(args.shared), args.threads)
-    scale_benchmark(args.sizes, args.threads)
+    shared = Path(args.shared)
+    if not args.skip_real:
+        real_benchmark(shared, args.threads, with_imagededup=not args.skip_imagededup)
+    if args.links:
+        link_benchmark(shared, args.links, args.corpora, args.degrade, args.threads)
+        if "planted" in args.corpora:
+            planted_benchmark(args.links, args.threads)
+    scale_benchmark(args.sizes, args.threads, args.links)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Stage manifest: write results/manifest (manifest.csv, composition.csv, manifest.json).
+"""Stage manifest: write results/manifest (manifest.csv, composition.csv, source_composition.csv,
+manifest.json).
 
 Standalone: ``python scripts/manifest.py --config config/config.yaml --sources results/cohort/sources.csv
 --families results/clearance/families.csv --edges results/clearance/edges.csv --out results/manifest``.

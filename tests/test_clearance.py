@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import imagehash
 import numpy as np
 import pytest
 from PIL import Image
@@ -35,6 +36,22 @@ def test_dihedral_phash_catches_every_flip_and_rotation():
         other = dihedral_phashes(np.asarray(img.transpose(op)))[0]
         assert min(bin(int(b) ^ int(other)).count("1") for b in base) <= 2, op
     assert dihedral_phashes(np.asarray(img), dihedral=False).shape == (1,)
+
+
+@pytest.mark.parametrize(("size", "aspect"), [(97, 1.0), (128, 0.75), (224, 1.0), (300, 0.6)])
+def test_dihedral_phash_is_imagehash_phash(size, aspect):
+    """The fast path is imagehash's PHash, bit for bit: the identity hash of the image, and each
+    dihedral variant that of the transformed 32 x 32 thumbnail imagehash itself resizes to."""
+    img = tile("Normal", size, size).crop((0, 0, size, round(size * aspect)))
+    ours = [int(h) for h in dihedral_phashes(np.asarray(img))]
+    as_int = lambda h: int(str(h), 16)  # noqa: E731  (imagehash's hex is the row-major bit string)
+    assert ours[0] == as_int(imagehash.phash(img))
+    thumb = img.convert("L").resize((32, 32), Image.Resampling.LANCZOS)
+    assert set(ours) == {as_int(imagehash.phash(thumb))} | {as_int(imagehash.phash(thumb.transpose(op)))
+                                                            for op in Image.Transpose}
+    for op in Image.Transpose:  # the full image transformed first: PIL's resize rounding moves <= 2 bits
+        theirs = as_int(imagehash.phash(img.transpose(op)))
+        assert min(bin(h ^ theirs).count("1") for h in ours) <= 2, op
 
 
 def test_phash_pairs_threshold_and_order():
@@ -115,3 +132,98 @@ def test_audit_folder_writes_outputs_and_stops_on_truncated_file(tmp_path: Path)
     assert not (tmp_path / "out2" / "families.csv").exists()
     with pytest.raises(ClearanceError, match="no images"):
         run_audit_folder(tmp_path / "out", tmp_path / "out3", ClearanceConfig())
+
+
+def _linking_case(link_min_inliers: int, link_min_pairs: int) -> tuple[list[list[int]], list[dict], list[tuple]]:
+    """Families {0, 1} and {2, 3} after the first pass, singletons 4 and 5; verdicts stand in for images."""
+    from fedhisto.clearance.families import UnionFind
+    from fedhisto.clearance.linking import link_families
+    from fedhisto.clearance.verify import Verdict
+
+    def row(a, b, decision, inliers, scale):
+        return {"a": a, "b": b, "stage": "descriptor", "decision": decision, "inliers": inliers, "scale": scale,
+                "angle_deg": 12.0, "mirrored": False}
+
+    uf = UnionFind(6)
+    uf.union(0, 1)
+    uf.union(2, 3)
+    edges = [row(0, 1, "confirmed", 30, 1.0), row(2, 3, "confirmed", 25, 1.0),
+             row(0, 2, "rejected", 7, 0.95),   # near miss between the two families
+             row(4, 5, "rejected", 8, 1.0),    # near miss between two singletons: their only cross pair
+             row(1, 4, "rejected", 9, 0.0)]    # many inliers on a degenerate fit (scale 0): chance, not a near miss
+    second_pass = {(1, 3): Verdict(8, 20, 1.02, 11.0, False), (1, 2): Verdict(3, 9, 0.7, 40.0, False),
+                   (0, 3): Verdict(2, 8, 3.1, -5.0, True)}
+    asked: list[tuple] = []
+
+    def verify_map(todo):
+        asked.extend(todo)
+        return [(p, second_pass[p]) for p in todo]
+
+    recorded: list[dict] = []
+
+    def edge(a, b, stage, score, threshold, decision, v=None, min_inliers=None):
+        recorded.append({"a": a, "b": b, "stage": stage, "decision": decision, "min_inliers": min_inliers,
+                         "inliers": v.inliers if v else ""})
+
+    words = np.eye(6, dtype=np.float32)
+    words[1, 3] = words[3, 1] = 0.5  # 1-3 the closest unverified cross pair of the two families
+    links = link_families(uf, edges, words / np.linalg.norm(words, axis=1, keepdims=True), link_min_inliers,
+                          link_min_pairs, 10, verify_map, edge, [])
+    assert links == 4 - len({uf.find(i) for i in range(6)})  # each link joins two of the four first-pass families
+    return components_of(uf), recorded, asked
+
+
+def components_of(uf) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i in range(len(uf.parent)):
+        groups.setdefault(uf.find(i), []).append(i)
+    return sorted(groups.values())
+
+
+def test_second_pass_links_families_whose_closest_members_nearly_verify():
+    fams, recorded, asked = _linking_case(6, 2)
+    assert fams == [[0, 1, 2, 3], [4], [5]]  # two near misses link the families; singletons need a full verdict
+    assert asked == [(1, 3), (0, 3), (1, 2)]  # only the suspect families' unverified cross pairs, closest first
+    links = {(r["a"], r["b"]): r for r in recorded if r["decision"] == "confirmed"}
+    assert set(links) == {(0, 2), (1, 3)} and {r["min_inliers"] for r in links.values()} == {6}
+    assert {(r["a"], r["b"]) for r in recorded if r["decision"] == "rejected"} == {(0, 3), (1, 2)}
+
+
+@pytest.mark.parametrize(("inliers", "pairs", "expected"), [
+    (8, 2, [[0, 1], [2, 3], [4], [5]]),       # 0-2 (7 inliers) no longer a near miss: nothing is suspect there
+    (6, 3, [[0, 1], [2, 3], [4], [5]]),       # two near misses are not three
+    (6, 1, [[0, 1, 2, 3], [4, 5]]),           # one near miss suffices, singletons included
+])
+def test_second_pass_thresholds_are_obeyed(inliers, pairs, expected):
+    assert _linking_case(inliers, pairs)[0] == expected
+
+
+def test_second_pass_key_must_relax_the_threshold():
+    with pytest.raises(ValueError, match="link_min_inliers"):
+        ClearanceConfig(min_inliers=10, link_min_inliers=12)
+    from fedhisto.config import load_config
+    from fedhisto.stage_config import stage_block
+
+    # on by default, a behaviour change: both keys are in clearance's identity, and switching it off changes it
+    block = stage_block(load_config({}), "clearance")
+    assert (block["link_min_inliers"], block["link_min_pairs"]) == (5, 3)
+    assert stage_block(load_config({"clearance": {"link_min_inliers": None}}), "clearance") != block
+
+
+@pytest.mark.parametrize(("stage", "linked"), [("descriptor", True), ("phash", False), ("exact", False)])
+def test_near_misses_against_copies_of_one_picture_count_once(stage, linked):
+    """Singleton 0 nearly verifies with both members of family {1, 2}: two pieces of evidence when
+    1 and 2 are distinct pictures (joined by a local-feature edge), one when they are copies of
+    one picture (exact or PHash edge), since a chance match repeats itself on a copy."""
+    from fedhisto.clearance.families import UnionFind
+    from fedhisto.clearance.linking import link_families
+
+    uf = UnionFind(3)
+    uf.union(1, 2)
+    edges = [{"a": 1, "b": 2, "stage": stage, "decision": "confirmed", "inliers": 40, "scale": 1.0,
+              "angle_deg": 0.0, "mirrored": False}]
+    edges += [{"a": 0, "b": b, "stage": "descriptor", "decision": "rejected", "inliers": 7, "scale": 1.0,
+               "angle_deg": 5.0, "mirrored": False} for b in (1, 2)]
+    links = link_families(uf, edges, np.eye(3, dtype=np.float32), 6, 2, 10, lambda todo: [],
+                          lambda *args, **kwargs: None, [])
+    assert (links == 1) is linked and uf.connected(0, 1) is linked

@@ -103,6 +103,12 @@ def test_whole_families_build_exact_counts_without_family_edges_across(tmp_path:
     assert comp[("validation", "all")] == TARGETS["validation"] and comp[("test", "all")] == TARGETS["test"]
     summary = json.loads((out / "manifest.json").read_text())
     assert summary["scale_factor"] == 1.0 and not summary["scaled"]
+    with (out / "source_composition.csv").open() as fh:  # one source: every validation / test image is lc25000's
+        by_source = {(r["partition"], r["source"]): [int(r["ACA"]), int(r["Normal"]), int(r["SCC"])]
+                     for r in csv.DictReader(fh)}
+    assert by_source[("validation", "lc25000")] == TARGETS["validation"]
+    assert by_source[("test", "lc25000")] == TARGETS["test"]
+    assert summary["source_audit"] == {"stratify_by_source": False, "single_source_classes": []}
     assert summary["boundary_audit"]["cross_boundary_family_edges"] == []
     with (out / "manifest.csv").open() as fh:
         rows = list(csv.DictReader(fh))

@@ -11,6 +11,7 @@ from test_manifest import TABLE2, write_corpus
 from fedhisto import CLASSES
 from fedhisto.config import load_config
 from fedhisto.manifest import build_manifest, composition
+from fedhisto.manifest_sources import SOURCE_COLUMNS, single_source_classes, source_composition
 from fedhisto.targets import study_table2, write_table2
 
 
@@ -20,6 +21,12 @@ def _write(tmp_path: Path, rows: list[dict], summary: dict) -> tuple[Path, Path]
         w = csv.DictWriter(fh, fieldnames=["partition", "subset", *CLASSES, "total"])
         w.writeheader()
         w.writerows(comp)
+    with (tmp_path / "source_composition.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=SOURCE_COLUMNS)
+        w.writeheader()
+        w.writerows(source_composition(rows))
+    summary = {**summary, "source_audit": {"stratify_by_source": False,
+                                           "single_source_classes": single_source_classes(rows)}}
     (tmp_path / "manifest.json").write_text(json.dumps(summary))
     return tmp_path / "composition.csv", tmp_path / "manifest.json"
 
@@ -41,7 +48,7 @@ def test_table2_as_built_beside_the_study_and_scaling_is_stated(tmp_path: Path):
         table = list(csv.DictReader(fh))
     assert len(table) == 17
     assert all(r[f"{c}_built"] == r[f"{c}_study"] for r in table for c in CLASSES)
-    summary.write_text(json.dumps({**info, "scale_factor": 0.11, "scaled": True}))
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "scale_factor": 0.11, "scaled": True}))
     line = write_table2(comp_csv, summary, tmp_path / "tables")
     md = (tmp_path / "tables/table2_partitions.md").read_text()
     assert "WARNING: targets were SCALED by 0.110000" in md and line in md

@@ -82,7 +82,22 @@ class ClearanceConfig(Strict):
     n_features: int = Field(400, ge=50, description="keypoints per image for local-feature verification")
     ratio_test: float = Field(0.75, gt=0, lt=1)
     min_inliers: int = Field(10, ge=4, description="RANSAC inliers that confirm a pair (unrelated tissue: <= 5)")
+    # on by default (a behaviour change, so both keys always enter clearance's identity)
+    link_min_inliers: int | None = Field(
+        5, ge=4, description="second pass (null: off): link two detected families when their closest members "
+                             "nearly verify, i.e. reach this many inliers at a plausible scale "
+                             "(5 x 3 chosen by measurement: docs/clearance_benchmark.md)")
+    link_min_pairs: int = Field(3, ge=1, description="second pass: near-miss cross pairs, between distinct pictures, "
+                                                     "that link two families (a cross pair verifying outright always "
+                                                     "links)")
     family_policy: Literal["representatives", "whole_families", "ignore_families"] = "representatives"
+
+    @model_validator(mode="after")
+    def _link_below_confirmation(self) -> ClearanceConfig:
+        if self.link_min_inliers is not None and self.link_min_inliers > self.min_inliers:
+            raise ValueError(f"clearance.link_min_inliers ({self.link_min_inliers}) must not exceed "
+                             f"clearance.min_inliers ({self.min_inliers}): it relaxes the threshold between families")
+        return self
 
 
 # ------------------------------------------------------------------- manifest
@@ -109,6 +124,10 @@ class ManifestConfig(Strict):
     allow_scaling: bool = Field(
         False, description="when the kept images cannot fill the targets, scale every target by one common factor "
                            "(logged, recorded in manifest.json and beside the study's Table 2) instead of stopping")
+    stratify_by_source: bool = Field(
+        False, json_schema_extra=IF_CHANGED,
+        description="draw global validation and test per class in proportion to the sources (site tags) of that "
+                    "class's leftover images, rather than from all leftovers in one seeded order")
 
     @model_validator(mode="after")
     def _fractions_valid(self) -> ManifestConfig:

@@ -9,10 +9,14 @@
    beside the study's in the report (``fedhisto.targets``).
 3. Client pools: client k draws, per class, its target count from its configured sites, in a
    seeded deterministic order.
-4. Global validation, then global test, per class from the internal images left over.
+4. Global validation, then global test, per class from the internal images left over; with
+   ``manifest.stratify_by_source`` each class's counts are first shared out over the sources of its
+   leftovers in proportion (``fedhisto.manifest_sources``), and each source fills its share.
 5. Holdouts per client and available class: ``round(frac * n)`` (Python's half-to-even),
    keeping at least one optimisation image when n >= 2, seeded shuffle with the split seed.
-6. Boundary audit: no SHA-256 match and no confirmed family edge may join two different
+6. Source audit: ``source_composition.csv`` (partition x source x class) and, in manifest.json,
+   the classes of validation / test that come from one source while the partition draws from several.
+7. Boundary audit: no SHA-256 match and no confirmed family edge may join two different
    protected partitions (client optimisation sets and holdouts, validation, test, external).
 
 Families (``whole_families``) are drawn whole while they fit. To hit a count exactly a
@@ -34,6 +38,7 @@ import numpy as np
 from fedhisto import CLASSES
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
+from fedhisto.manifest_sources import SOURCE_COLUMNS, allocate, single_source_classes, source_composition
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.sources import read_sources_csv
 from fedhisto.stage_config import stage_block
@@ -177,10 +182,26 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
                 assignment[i] = (client, client, "holdout")
             for i in optimisation:
                 assignment[i] = (client, client, "optimisation")
+    stratify = cfg.manifest.stratify_by_source
     for c, cls in enumerate(CLASSES):
         free = _order([i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls], seed, 3, c)
-        for split, count in (("validation", targets.validation[c]), ("test", targets.test[c])):
-            chosen = take([i for i in free if i not in assignment], count, unit_of)
+        splits = (("validation", targets.validation[c]), ("test", targets.test[c]))
+        # stratified: both splits mirror the sources of this class's leftovers, allocated before either is drawn
+        shares = {split: allocate(count, Counter(by_id[i]["site"] for i in free)) for split, count in splits} \
+            if stratify else {}
+        for split, count in splits:
+            chosen: list[str] = []
+            for source, n in sorted(shares.get(split, {}).items()):
+                part = take([i for i in free if i not in assignment and by_id[i]["site"] == source], n, unit_of)
+                for i in part:
+                    assignment[i] = (split, "", split)
+                chosen += part
+            # unstratified, or what a source could not fill (family units): any leftover of the class, in order
+            rest = take([i for i in free if i not in assignment], count - len(chosen), unit_of)
+            if stratify and rest:
+                log.warning("manifest.stratify_by_source: %s %s took %d image(s) beyond its sources' shares %s "
+                            "(families could not fill them exactly)", split, cls, len(rest), shares[split])
+            chosen += rest
             if len(chosen) < count:
                 raise short(f"{split} {cls}", count, len(chosen), "(any internal)")
             for i in chosen:
@@ -275,10 +296,13 @@ def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: s
     comp = composition(rows)
     write_csv(out / "manifest.csv", rows, MANIFEST_COLUMNS)
     write_csv(out / "composition.csv", comp, ["partition", "subset", *CLASSES, "total"])
+    write_csv(out / "source_composition.csv", source_composition(rows), SOURCE_COLUMNS)
     summary = {"dataset_identity": dataset_identity(rows), "images": len(rows), **info,
                "boundary_audit": {**audit, "result": result},
+               "source_audit": {"stratify_by_source": cfg.manifest.stratify_by_source,
+                                "single_source_classes": single_source_classes(rows)},
                "provenance": prov}
     write_json(out / "manifest.json", summary)
-    for name in ("manifest.csv", "composition.csv"):
+    for name in ("manifest.csv", "composition.csv", "source_composition.csv"):
         write_sidecar(out / name, prov)
     return summary

@@ -150,5 +150,26 @@ def write_table2(composition_csv: str | Path, manifest_json: str | Path, tables_
           f"family policy: {summary.get('family_policy', '?')}; dataset identity {summary.get('dataset_identity', '?')}",
           "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r[k]) for k in cols) + " |" for r in rows]
+    md += ["", *source_section(Path(composition_csv).with_name("source_composition.csv"), summary, tables_dir)]
     write_text(base.with_suffix(".md"), "\n".join(md) + "\n")
     return line
+
+
+def source_section(source_csv: Path, summary: dict, tables_dir: str | Path) -> list[str]:
+    """Validation and test by source x class (``table2_sources.csv``) and the single-source flags,
+    as Markdown lines for Table 2 (the study's Table 2 gives class counts only)."""
+    from fedhisto.atomic import write_csv
+    from fedhisto.manifest_sources import SOURCE_COLUMNS, flag_lines
+
+    if not source_csv.exists() or "source_audit" not in summary:
+        raise FileNotFoundError(f"{source_csv} or manifest.json's source_audit missing: the manifest was built before "
+                                "the source audit existed; rerun the manifest stage")
+    with source_csv.open() as fh:
+        rows = [r for r in csv.DictReader(fh) if r["partition"] in ("validation", "test")]
+    write_csv(Path(tables_dir) / "table2_sources.csv", rows, SOURCE_COLUMNS)
+    audit = summary["source_audit"]
+    head = ["## Global validation and test by source (not in the study's Table 2)", "",
+            f"manifest.stratify_by_source: {str(audit['stratify_by_source']).lower()}", "",
+            *flag_lines(audit["single_source_classes"]), "",
+            "| " + " | ".join(SOURCE_COLUMNS) + " |", "|" + "---|" * len(SOURCE_COLUMNS)]
+    return head + ["| " + " | ".join(r[k] for k in SOURCE_COLUMNS) + " |" for r in rows]

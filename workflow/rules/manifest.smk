@@ -9,6 +9,7 @@ rule build_manifest:
     output:
         manifest="results/manifest/manifest.csv",
         composition="results/manifest/composition.csv",
+        source_composition="results/manifest/source_composition.csv",
         summary="results/manifest/manifest.json",
     log:
         "logs/manifest/build_manifest.log",

@@ -9,9 +9,11 @@ rule make_report:
         communication="results/accounting/communication.csv",
         external=lambda wildcards: [f"results/predictions/{m}/seed{s}/external.csv" for m, s in train_runs()],
         composition="results/manifest/composition.csv",
+        source_composition="results/manifest/source_composition.csv",
         manifest_summary="results/manifest/manifest.json",
     output:
         t2=report("results/tables/table2_partitions.csv", caption="../report/table2.rst", category="Tables"),
+        t2_sources="results/tables/table2_sources.csv",
         t4=report("results/tables/table4_internal.csv", caption="../report/table4.rst", category="Tables"),
         t5=report("results/tables/table5_external.csv", caption="../report/table5.rst", category="Tables"),
         t6=report("results/tables/table6_bootstrap.csv", caption="../report/table6.rst", category="Tables"),

@@ -12,6 +12,7 @@ import numpy as np
 from fedhisto.clearance.candidates import bag_of_words, global_descriptor, knn_cosine, knn_pairs
 from fedhisto.clearance.families import UnionFind, components
 from fedhisto.clearance.hashing import dihedral_phashes, exact_groups, phash_pairs, sha256_of
+from fedhisto.clearance.linking import link_families
 from fedhisto.clearance.verify import Features, Verdict, extract, make_detector, verify
 from fedhisto.config import ClearanceConfig
 from fedhisto.imageio import load_rgb
@@ -122,9 +123,11 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     uf = UnionFind(len(paths))
     edges: list[dict] = []
 
-    def edge(a: int, b: int, stage: str, score: float, threshold: float, decision: str, v: Verdict | None = None):
+    def edge(a: int, b: int, stage: str, score: float, threshold: float, decision: str, v: Verdict | None = None,
+             min_inliers: int | None = None):
         edges.append({"a": a, "b": b, "stage": stage, "score": round(score, 6), "threshold": threshold,
-                      "decision": decision, "inliers": v.inliers if v else "", "min_inliers": cfg.min_inliers,
+                      "decision": decision, "inliers": v.inliers if v else "",
+                      "min_inliers": cfg.min_inliers if min_inliers is None else min_inliers,
                       "scale": round(v.scale, 4) if v else "", "angle_deg": round(v.angle_deg, 2) if v else "",
                       "mirrored": v.mirrored if v else ""})
 
@@ -137,6 +140,7 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     hashes = np.stack([p.phashes for p in prints]) if prints else np.zeros((0, 8), np.uint64)
     ph = {(a, b): d for a, b, d in phash_pairs(hashes, cfg.phash_threshold)}
     nn: dict[tuple[int, int], float] = {}
+    words = np.zeros((len(prints), 1), np.float32)
     if len(prints) > 1:
         # visual words rank transformed relatives best; the global descriptor adds a second opinion
         nn = knn_pairs(np.stack([p.descriptor for p in prints]), max(cfg.neighbours_per_image // 2, 1))
@@ -156,6 +160,11 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
         (lambda items: map(_verify_pair, items))
     try:
         _verify_batches(candidates, batch, digests, uf, ph, nn, cfg, edge, failures, verify_map, bar)
+        t_link = time.perf_counter()
+        links = 0
+        if cfg.link_min_inliers is not None:
+            links = link_families(uf, edges, words, cfg.link_min_inliers, cfg.link_min_pairs, cfg.min_inliers,
+                                  lambda todo: list(verify_map(todo)), edge, failures)
     finally:
         if pool is not None:
             pool.close()
@@ -176,13 +185,17 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
         "verified": verified,
         "implied": implied,
         "confirmed_by_stage": {s: sum(1 for e in edges if e["stage"] == s and e["decision"] == "confirmed")
-                               for s in ("exact", "phash", "descriptor")},
+                               for s in ("exact", "phash", "descriptor", *(("link",) if links else ()))},
         "rejected": sum(1 for e in edges if e["decision"] == "rejected"),
         "families": sum(1 for f in fams if len(f) > 1),
         "images_in_families": sum(len(f) for f in fams if len(f) > 1),
         "largest_family": max((len(f) for f in fams), default=0),
         "seconds": {"fingerprint": round(t_fp - t0, 2), "candidates": round(t_cand - t_fp, 2),
-                    "verify": round(t_end - t_cand, 2), "total": round(t_end - t0, 2)},
+                    "verify": round(t_link - t_cand, 2), **({"link": round(t_end - t_link, 2)}
+                                                            if cfg.link_min_inliers is not None else {}),
+                    "total": round(t_end - t0, 2)},
     }
+    if cfg.link_min_inliers is not None:
+        stats["family_links"] = links
     log.info("clearance: %s", stats)
     return AuditResult(digests, edges, fams, stats, failures, hashes)

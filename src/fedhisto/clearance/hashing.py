@@ -24,11 +24,15 @@ def _bits(block: np.ndarray) -> int:
 
 
 def dihedral_phashes(rgb: np.ndarray, dihedral: bool = True) -> np.ndarray:
-    """PHash (imagehash / imagededup definition) of the image under each of the 8 dihedral transforms.
+    """PHash (``imagehash.phash``, which imagededup also uses) of the image under each of the 8 dihedral transforms.
 
     One 32 x 32 greyscale resize and one 2-D DCT serve all eight: a flip negates every odd
     frequency along its axis, a transpose transposes the coefficients, and the median of the
-    8 x 8 low-frequency block is unchanged by either.
+    8 x 8 low-frequency block is unchanged by either. The first hash is bit-equal to
+    ``imagehash.phash`` of the image, and each variant to ``imagehash.phash`` of the transformed
+    32 x 32 thumbnail (tests/test_clearance.py checks both); ``imagehash.phash`` of the transformed
+    full image can differ by a bit or two, since PIL's two-pass resize rounds differently once
+    rows and columns swap.
     """
     grey = Image.fromarray(rgb).convert("L").resize((32, 32), Image.Resampling.LANCZOS)
     coeff = dct(dct(np.asarray(grey, dtype=np.float64), axis=0), axis=1)[:8, :8]
@@ -37,11 +41,6 @@ def dihedral_phashes(rgb: np.ndarray, dihedral: bool = True) -> np.ndarray:
     both = coeff * sign[:, None] * sign[None, :]
     variants = [coeff, flip_cols, flip_rows, coeff.T, both, both.T, flip_cols.T, flip_rows.T]
     return np.array([_bits(v) for v in (variants if dihedral else variants[:1])], dtype=np.uint64)
-
-
-def phash_bits(img: Image.Image) -> int:
-    """Identity-orientation PHash of a PIL image."""
-    return int(dihedral_phashes(np.asarray(img.convert("RGB")), dihedral=False)[0])
 
 
 def exact_groups(digests: list[str]) -> list[list[int]]:
