@@ -109,7 +109,7 @@ MACRO_F1_CASES = [
 def test_macro_f1_call_sites_agree(name, y, pred, expected):
     """Early stopping (train.loop), the metrics stage and the bootstrap score a split identically."""
     torch = pytest.importorskip("torch")
-    from fedhisto.train.loop import macro_f1 as early_stopping_macro_f1
+    from fedhisto.train.participants import macro_f1 as early_stopping_macro_f1
 
     y, pred = np.array(y), np.array(pred)
     probs = np.eye(3)[pred] * 0.7 + 0.1                     # argmax = pred

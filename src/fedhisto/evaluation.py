@@ -5,7 +5,7 @@ one-vs-rest AUROC / AUPRC of a class with no true image are reported as absent (
 left out of the macro averages, which average over the classes present in the labels.
 
 :func:`macro_f1_from_confusion` is the one macro-F1 of the package: the metrics tables, the
-paired bootstrap (vectorised over resamples) and early stopping (``train.loop.macro_f1``) all
+paired bootstrap (vectorised over resamples) and early stopping (``train.participants.macro_f1``) all
 call it, so a split with an absent class scores the same everywhere.
 """
 
