@@ -114,6 +114,13 @@ class EncoderEntry:
                 f"download a snapshot of {where} and set model.encoder.local_dir, or pin model.encoder.revision")
         return gate
 
+    # an entry is immutable data: copies of a model share it, and a pickled entry is its registry name
+    def __deepcopy__(self, memo: dict) -> EncoderEntry:
+        return self
+
+    def __reduce__(self):
+        return encoder_entry, (self.name,)
+
 
 def _entries(*entries: EncoderEntry) -> MappingProxyType:
     return MappingProxyType({e.name: e for e in entries})
