@@ -239,10 +239,14 @@ def test_hub_entries_fill_repo_and_revision_and_keep_old_defaults():
 def test_normalisation_option():
     default = load_config({"model": {"encoder": {"name": "hibou-b"}}})
     assert default.views.mean == (0.485, 0.456, 0.406)  # the study's ImageNet statistics (section 3.4)
-    assert "normalisation" not in default.views.model_dump()  # so no stage block changes
+    from fedhisto.config_base import identity_dump
+    from fedhisto.stage_config import stage_block
+
+    assert "normalisation" not in identity_dump(default.views)  # IF_CHANGED: so no stage block changes
+    assert "normalisation" not in stage_block(default, "train", method="past_v2", seed=11)["views"]
     own = load_config({"views": {"normalisation": "encoder"}, "model": {"encoder": {"name": "hibou-b"}}})
     assert own.views.mean == (0.7068, 0.5755, 0.722) and own.views.std == (0.195, 0.2316, 0.1816)
-    assert own.views.model_dump()["normalisation"] == "encoder"
+    assert identity_dump(own.views)["normalisation"] == "encoder"
     with pytest.raises(ConfigError, match=r"views\.mean is set too"):
         load_config({"views": {"normalisation": "encoder", "mean": [0.5, 0.5, 0.5]}})
 
