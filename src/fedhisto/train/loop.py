@@ -167,21 +167,22 @@ def run_round(method: Method, parts: Participants, ckpt: dict, r: int, model: Fe
     """One round; updates ``ckpt`` (members, server state) and returns (history row, member metrics)."""
     names, members = parts.names, ckpt["members"]
     unavailable: dict[str, str] = {}
+    starts = {n: method.start_state(members, n) for n in names}  # each participant's start, this round
     if method.pre_uploads:
-        uploads, lost = parts.pre_upload(r, {n: method.start_state(members, n) for n in names})
+        uploads, lost = parts.pre_upload(r, starts)
         unavailable.update(lost)
     else:
         uploads = dict.fromkeys(names)
     payloads = method.configure_train(r, ckpt["server_state"], uploads)
     todo = [n for n in names if n not in unavailable]
-    results, lost = parts.train(r, {n: method.start_state(members, n) for n in todo}, {n: payloads[n] for n in todo})
+    results, lost = parts.train(r, {n: starts[n] for n in todo}, {n: payloads[n] for n in todo})
     for n, why in lost.items():
         log.warning("round %d: client %s unavailable: %s", r + 1, n, why)
     unavailable.update(lost)
     if not results:
         raise TooManyUnavailable(f"round {r + 1}: no participant returned an update ({sorted(unavailable)})")
     returned = sorted(results)
-    starts = {n: method.start_state(members, n) for n in returned}
+    starts = {n: starts[n] for n in returned}
     weights = method.client_weights([results[n].n_samples for n in returned],
                                     [flat_update(results[n].state, starts[n]) for n in returned])
     update = RoundUpdate(r, {n: results[n].state for n in returned}, starts,
