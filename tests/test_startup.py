@@ -7,20 +7,33 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 UNUSED = ("sklearn", "matplotlib", "fedhisto.experiments")
-# training, prediction, the bootstrap and the Flower ClientApp / SuperNode side
-LEAN = ("fedhisto.predict", "fedhisto.train.stage", "fedhisto.bootstrap", "fedhisto.federation.client_app",
-        "fedhisto.federation.site")
+# training, prediction, the bootstrap and the SuperNode side (site.py imports no flwr)
+LEAN = ("fedhisto.predict", "fedhisto.train.stage", "fedhisto.bootstrap", "fedhisto.federation.site")
 
 
-def test_training_prediction_bootstrap_and_the_flower_client_import_no_unused_heavy_package():
-    # one process for all five (each costs seconds of torch/peft start-up); a culprit is named per module
+def _unused_imports(modules: tuple[str, ...]) -> dict[str, list[str]]:
+    # one process for all (each costs seconds of torch/peft start-up); a culprit is named per module
     code = ("import importlib, json, sys\nfound = {}\n"
-            f"for name in {LEAN!r}:\n"
+            f"for name in {modules!r}:\n"
             "    importlib.import_module(name)\n"
             f"    found[name] = [m for m in {UNUSED!r} if m in sys.modules]\n"
             "print(json.dumps(found))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_training_prediction_bootstrap_and_the_site_import_no_unused_heavy_package():
+    found = _unused_imports(LEAN)
     assert found == {name: [] for name in LEAN}, f"unused packages imported (first module to show them): {found}"
+
+
+@pytest.mark.flower
+def test_the_flower_client_app_imports_no_unused_heavy_package():
+    # the README's first test command installs no flwr, so this runs in the Flower lane
+    pytest.importorskip("flwr")
+    name = "fedhisto.federation.client_app"
+    assert _unused_imports((name,)) == {name: []}
