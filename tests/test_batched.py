@@ -48,8 +48,9 @@ def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
 
 
-def round_inputs(name: str):
-    cfg = load_config(CFG)
+def round_inputs(name: str, train: dict | None = None):
+    """One round's jobs for ``name``; ``train`` overrides keys of CFG's train block."""
+    cfg = load_config({**CFG, "train": {**CFG["train"], **(train or {})}})
     method = build_method(name, cfg)
     torch.manual_seed(0)
     model = FedHistoModel(random_encoder("tiny"), cfg.model, film=method.film)
