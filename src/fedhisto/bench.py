@@ -136,7 +136,7 @@ def device_view_rate(crop: int, device: torch.device, batch: int, iters: int = 3
 
 def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: int = 2, iters: int | None = None,
               warmup: int | None = None, inference_batch: int | None = None, compile: bool = False,
-              device: torch.device | None = None, depth: int | None = None) -> dict:
+              device: torch.device | None = None, depth: int | None = None, view_samples: int = 16) -> dict:
     """The figures above as a dict (see the module docstring)."""
     # whole optimiser steps: the first ones build AdamW's state and the autograd/allocator caches
     warmup = accum if warmup is None else warmup
@@ -268,8 +268,8 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
         "inference_batch": inference_batch, "inference_images_s": _sig(inference_batch / inf_s),
         "pipeline_inference_batch": eval_f32.shape[0], "pipeline_inference_images_s": _sig(eval_f32.shape[0] / pipe_s),
         "peak_memory_gib": _sig(mem), "peak_memory_kind": "device" if device.type == "cuda" else "process RSS",
-        "host_view_pairs_s": _sig(host_view_rate(crop)),
-        "device_view_pairs_s": _sig(device_view_rate(crop, device, pairs)), "device_view_batch": pairs,
+        "host_view_pairs_s": _sig(host_view_rate(crop, view_samples)),
+        "device_view_pairs_s": _sig(device_view_rate(crop, device, pairs, iters=min(3, iters))), "device_view_batch": pairs,
     }
     out["batched_tflops"] = _sig(step_flops / bat_s / 1e12)
     out["batched_ratio"] = _sig(step_flops / bat_s / 1e12 / peak)
@@ -314,7 +314,8 @@ def main(args) -> int:
     results = []
     for n in members:
         results.append(run_bench(args.encoder, n, args.micro_batch, args.accumulation_steps, args.iters, args.warmup,
-                                 args.inference_batch, args.compile, depth=getattr(args, "depth", None)))
+                                 args.inference_batch, args.compile, depth=getattr(args, "depth", None),
+                                 view_samples=getattr(args, "view_samples", 16)))
         print(format_table(results[-1]), flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -351,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference-batch", type=int, default=None, help="default 256 on a GPU, 32 on a CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the batched step's encoder pass (train.compile)")
     p.add_argument("--depth", type=int, default=None, help="build only this many encoder blocks (CPU dry runs)")
+    p.add_argument("--view-samples", type=int, default=16, help="images the host view rate is timed on")
     p.add_argument("--json", metavar="PATH", help="also write the figures here as JSON")
     p.set_defaults(func=_cmd_bench)
     return parser
