@@ -66,7 +66,7 @@ with open(sys.argv[1], "w") as fh:
 print(uni)
 PYEOF
 ) || { echo "gpu_check: a module the check needs does not import (see $log)" | tee -a "$log" >&2; tail -5 "$log" >&2; exit 3; }
-cat "$OUT/env.json" | tee -a "$log"
+{ cat "$OUT/env.json"; echo; } | tee -a "$log"
 if [[ $dry == 0 && $($PY -c "import torch; print(torch.cuda.is_available())") != True ]]; then
   echo "gpu_check: no CUDA device visible (use --dry-run on a CPU)" | tee -a "$log" >&2; exit 3
 fi

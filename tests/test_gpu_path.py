@@ -171,3 +171,75 @@ def test_compiled_batched_step_and_round_equal_the_eager_ones(one_compile_thread
         assert max(float((c.state[k] - e.state[k]).abs().max()) for k in e.state) < 1e-4
         for k in e.losses:
             assert c.losses[k] == pytest.approx(e.losses[k], rel=1e-4, abs=1e-6)
+
+
+# ------------------------------------------------------------------ the GPU check's report
+def test_the_full_grid_is_the_studys_39_runs_and_its_work_follows_table_2():
+    """39 runs: five principal methods and FedStain on five seeds, three ablations on three. Per round:
+    2 epochs x 5,325 optimisation images (Table 2), paired for v2 and its ablations (14 runs), half a
+    pair per image for the 25 single-view runs; 1,419 validation images; 2,677 prototype images (at most
+    256 per client and present class) for v1, v2, no-JS, no-feat (16 runs); 2,869 final images per run."""
+    from fedhisto.bench_report import study_work
+
+    work = study_work()
+    assert work.runs == 39 and work.rounds == 50
+    assert work.training_pairs == 50 * (14 * 2 * 5325 + 25 * 5325)  # 14,111,250
+    assert work.inference_images == 50 * (39 * 1419 + 16 * 2677) + 39 * 2869  # 5,020,541
+
+
+def _bench_row(members: int, **figures) -> dict:
+    row = {"device": "GPU", "encoder": "hibou-b", "members": members, "micro_batch": 4, "accumulation_steps": 2,
+           "compile": False, "depth": 12, "full_depth": True, "sequential_pairs_s": 100.0, "batched_pairs_s": 2500.0,
+           "speedup": 25.0, "inference_images_s": 10000.0, "inference_batch": 512,
+           "pipeline_inference_images_s": 4000.0, "peak_memory_gib": 20.0, "host_view_pairs_s": 50.0,
+           "device_view_pairs_s": 20000.0}
+    return {**row, **figures}
+
+
+def test_the_grid_estimate_adds_training_views_and_inference_at_the_measured_rates(tmp_path):
+    import json
+
+    from fedhisto.bench_report import estimates, markdown, study_work
+
+    work = study_work()
+    bench = [_bench_row(5, batched_pairs_s=1000.0), _bench_row(25)]
+    est = estimates(work, bench)
+    # batched: the 25-member row; views made on the device; inference as the pipeline runs it
+    expected = (work.training_pairs / 2500 + work.training_pairs / 20000 + work.inference_images / 4000) / 3600
+    assert est["batched_hours"] == pytest.approx(expected)
+    assert est["batched_hours"] == pytest.approx(1.568 + 0.196 + 0.349, abs=0.002)  # 2.11 h
+    # sequential: the 5-member row, host views in one process (50 pairs/s: 78 hours of views alone)
+    assert est["sequential_hours"] == pytest.approx(
+        (work.training_pairs / 100 + work.training_pairs / 50 + work.inference_images / 4000) / 3600)
+    (tmp_path / "env.json").write_text(json.dumps({"device": "NVIDIA H200", "dry_run": False, "torch": "2.11"}))
+    (tmp_path / "bench_hibou.json").write_text(json.dumps(bench))
+    (tmp_path / "bench_uni.json").write_text(json.dumps(_bench_row(5, encoder="phikon-v2")))
+    block = markdown(tmp_path)
+    assert "### GPU check (NVIDIA H200" in block
+    assert f"**{est['batched_hours']:.2f} h** (over the 2 h target)" in block
+    assert "UNI-size: phikon-v2 (transformers ViT-L/16" in block
+    assert "bench_compile.json: not produced" in block and "Dry run" not in block
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("FEDHISTO_GPU_DRY_RUN"),
+                    reason="minutes of CPU: set FEDHISTO_GPU_DRY_RUN=1 to run benchmarks/gpu_check.sh --dry-run")
+def test_gpu_check_dry_run_passes_end_to_end(tmp_path):
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(repo / "benchmarks/gpu_check.sh"), "--dry-run"], cwd=repo,
+                          env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = {"env.json", "bench_hibou.json", "bench_uni.json", "round.json", "bench_compile.json",
+             "performance_block.md", "check.log"}
+    assert {p.name for p in tmp_path.iterdir()} == names  # the device tool returns at most 8 files
+    assert [r["members"] for r in json.loads((tmp_path / "bench_hibou.json").read_text())] == [1, 2]
+    rounds = json.loads((tmp_path / "round.json").read_text())
+    assert {(r["engine"], r["view_pipeline"]) for r in rounds} == {(e, v) for e in ("sequential", "batched")
+                                                                   for v in ("host", "device")}
+    assert json.loads((tmp_path / "bench_compile.json").read_text())["compile"] is True
+    block = (tmp_path / "performance_block.md").read_text()
+    assert "Dry run on a CPU" in block and "batched engine, 25 members, device views" in block

@@ -26,8 +26,9 @@ Views are synthetic uint8 tiles on the device (timing does not depend on content
 the chosen shape with random weights (no download; ``depth`` builds fewer blocks, for CPU dry runs).
 Members are clients of one round (or seeds). Mixed precision is the engines' own
 (``methods.base.training_autocast``: bf16 autocast on CUDA); ``compile`` times the batched step
-with the engine's ``train.compile`` pass (``train.batched.compiled_embedding``), its compile time
-spent in the warm-up steps and reported as ``compile_warmup_s``.
+with the engine's ``train.compile`` pass (``train.batched.compiled_embedding``); the first compiled
+step, compilation included, is timed apart as ``compile_warmup_s``. Deterministic kernels are on,
+as in the pipeline's runs (``model.build.set_determinism``).
 """
 
 from __future__ import annotations
