@@ -219,6 +219,9 @@ def test_the_grid_estimate_adds_training_views_and_inference_at_the_measured_rat
     assert f"**{est['batched_hours']:.2f} h** (over the 2 h target)" in block
     assert "UNI-size: phikon-v2 (transformers ViT-L/16" in block
     assert "bench_compile.json: not produced" in block and "Dry run" not in block
+    (tmp_path / "bench_compile.json").write_text(json.dumps(_bench_row(25, compile=True, batched_pairs_s=3000.0,
+                                                                       compile_warmup_s=80.0)))
+    assert "- torch.compile at 25 members: 3000 pairs/s against 2500 eager (1.20x; first step 80 s)" in markdown(tmp_path)
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("FEDHISTO_GPU_DRY_RUN"),

@@ -83,11 +83,12 @@ def grid_seconds(work: GridWork, train_pairs_s: float, view_pairs_s: float, infe
             + work.inference_images / inference_images_s)
 
 
-def estimates(work: GridWork, bench: Any) -> dict[str, float | None]:
-    """Hours for the grid: batched (25 members, device views) and sequential (5 members, host views)."""
-    out: dict[str, float | None] = {"batched_hours": None, "sequential_hours": None, "model_only_hours": None}
-    big, small = by_members(bench, 25) or max(_rows(bench), key=lambda r: r["members"]), by_members(bench, 5)
-    small = small or min(_rows(bench), key=lambda r: r["members"])
+def estimates(work: GridWork, bench: Any) -> dict[str, float]:
+    """Hours for the grid: batched (25 members, device views) and sequential (5 members, host views);
+    without those rows (a dry run), the largest and the smallest member count measured."""
+    big = by_members(bench, 25) or max(_rows(bench), key=lambda r: r["members"])
+    small = by_members(bench, 5) or min(_rows(bench), key=lambda r: r["members"])
+    out = {"batched_members": big["members"], "sequential_members": small["members"]}
     inference = big["pipeline_inference_images_s"]
     out["batched_hours"] = grid_seconds(work, big["batched_pairs_s"], big["device_view_pairs_s"], inference) / 3600
     out["model_only_hours"] = (work.training_pairs / big["batched_pairs_s"] + work.inference_images
@@ -138,7 +139,7 @@ def markdown(out: Path) -> str:
         if title is None:
             title = ("UNI (timm ViT-L/16, 303M)" if first["encoder"] == "uni" else
                      f"UNI-size: {first['encoder']} (transformers ViT-L/16, 303M; timm was absent)")
-        depth = "" if first.get("full_depth", True) else f", {first['depth']} blocks only"
+        depth = "" if first.get("full_depth", True) else f", depth {first['depth']} only (toy)"
         lines += [f"{title}{depth}:", "", *_bench_table(bench), ""]
     rounds = load("round.json")
     if rounds:
@@ -160,11 +161,20 @@ def markdown(out: Path) -> str:
     else:
         est = estimates(work, hibou)
         verdict = "under" if est["batched_hours"] < TARGET_HOURS else "over"
-        lines += [f"- batched engine, 25 members, device views: **{est['batched_hours']:.2f} h** ({verdict} the "
-                  f"{TARGET_HOURS:g} h target)",
+        lines += [f"- batched engine, {est['batched_members']} members, device views: **{est['batched_hours']:.2f} h** "
+                  f"({verdict} the {TARGET_HOURS:g} h target)",
                   f"- model compute alone at the bench's batched and large-batch inference rates: "
                   f"{est['model_only_hours']:.2f} h",
-                  f"- sequential engine, host views in one process (today's default): {est['sequential_hours']:.2f} h"]
+                  f"- sequential engine, {est['sequential_members']} members, host views in one process (today's "
+                  f"default): {est['sequential_hours']:.2f} h"]
+        compiled = load("bench_compile.json")
+        if compiled is not None:
+            c = _rows(compiled)[0]
+            eager = by_members(hibou, c["members"])
+            if eager is not None and eager["encoder"] == c["encoder"]:
+                lines.append(f"- torch.compile at {c['members']} members: {c['batched_pairs_s']:.4g} pairs/s against "
+                             f"{eager['batched_pairs_s']:.4g} eager ({c['batched_pairs_s'] / eager['batched_pairs_s']:.2f}x; "
+                             f"first step {c['compile_warmup_s']:.0f} s)")
         if rounds:
             best = max(rounds, key=lambda r: r["pairs_per_s"])
             lines.append(f"- from the round's end-to-end rate ({best['engine']}, {best.get('view_pipeline', 'host')} "
