@@ -246,3 +246,17 @@ def test_gpu_check_dry_run_passes_end_to_end(tmp_path):
     assert json.loads((tmp_path / "bench_compile.json").read_text())["compile"] is True
     block = (tmp_path / "performance_block.md").read_text()
     assert "Dry run on a CPU" in block and "batched engine, 25 members, device views" in block
+
+
+@pytest.mark.zoo
+def test_the_uni_bench_runs_the_timm_vit_l_at_toy_size():
+    """The GPU check's bench_uni step on timm's fused-qkv ViT-L/16 (one block, batches of one): the
+    member LoRA patch, both engines' steps and the inference passes run and give positive rates."""
+    pytest.importorskip("timm")
+    from fedhisto.bench import run_bench
+
+    r = run_bench("uni", members=2, micro=1, accum=1, iters=1, warmup=1, inference_batch=2, depth=1, view_samples=2)
+    assert (r["encoder"], r["depth"], r["full_depth"], r["members"]) == ("uni", 1, False, 2)
+    for key in ("sequential_pairs_s", "batched_pairs_s", "inference_images_s", "pipeline_inference_images_s",
+                "host_view_pairs_s", "device_view_pairs_s", "batched_tflops"):
+        assert np.isfinite(r[key]) and r[key] > 0, key
