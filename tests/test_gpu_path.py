@@ -224,6 +224,38 @@ def test_the_grid_estimate_adds_training_views_and_inference_at_the_measured_rat
     assert "- torch.compile at 25 members: 3000 pairs/s against 2500 eager (1.20x; first step 80 s)" in markdown(tmp_path)
 
 
+#: the package's dependencies (and extras) the GPU machine's image lacks; pydantic travels as a wheel
+NOT_ON_THE_DEVICE = ("snakemake", "jsonschema", "imagehash", "flwr", "opacus")
+
+
+def test_the_gpu_checks_modules_import_without_what_the_device_image_lacks():
+    """gpu_check.sh runs fedhisto from src/ on an image with torch, transformers, peft, timm, opencv,
+    numpy, pandas, scikit-learn, pillow and pyyaml but no registry: its steps must not import any of
+    NOT_ON_THE_DEVICE (refused here by an import hook), whatever else the pipeline needs them for."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = f"""
+import importlib.abc, importlib.util, runpy, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_ON_THE_DEVICE!r}:
+            raise ImportError(f"{{name}} is not on the GPU machine")
+sys.meta_path.insert(0, Refuse())
+import fedhisto.bench, fedhisto.bench_report, fedhisto.cli, fedhisto.train.loop, fedhisto.train.participants
+for script in ("gpu_round", "gpu_report"):
+    spec = importlib.util.spec_from_file_location(script, "{repo}/benchmarks/" + script + ".py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+fedhisto.bench_report.study_work()
+fedhisto.cli.build_parser().parse_args(["bench", "--members", "5", "25", "--compile", "--depth", "1"])
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
 @pytest.mark.skipif(not __import__("os").environ.get("FEDHISTO_GPU_DRY_RUN"),
                     reason="minutes of CPU: set FEDHISTO_GPU_DRY_RUN=1 to run benchmarks/gpu_check.sh --dry-run")
 def test_gpu_check_dry_run_passes_end_to_end(tmp_path):
