@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# One device check for issue 14, at most 8 minutes: install what the GPU machine lacks from the
-# wheels carried beside this script (no package registry), run `fedhisto bench` for both encoders
-# (HIBOU-B at the study's per-client batch of 8 pairs: micro-batch 4 x 2 accumulation steps, for
-# 5 members = one round's clients, and 25 members = 5 clients x 5 seeds), then one study-shape
-# round (HIBOU-B shape, five clients) with both engines. Figures go to $OUT as JSON.
+# The one GPU check of issue 22, at most 9 minutes of steps on one H200 (the device tool allows 10 per
+# command): install what the GPU machine lacks from wheels carried beside this script (it reaches no
+# package registry), then, in order of importance, each step under its own time limit:
+#   bench_hibou    `fedhisto bench`, HIBOU-B (ViT-B/14) at 5 members (one round's clients) and 25
+#                  (5 clients x 5 seeds): sequential and batched pairs/s, inference images/s (bf16 at a
+#                  large batch, and float32 at the pipeline's eval batch), peak memory, host and device
+#                  view rates; micro-batch 4 x 2 accumulation steps, the study's per-client batch of 8;
+#   bench_uni      the same for UNI (timm ViT-L/16; where timm is absent, phikon-v2: transformers'
+#                  ViT-L/16 of the same width, depth, patch and token count, and the log says so);
+#   round          one study-shape round (HIBOU-B, five clients of 64 images, past_v2: client update,
+#                  delta-SVD aggregation, prototypes, validation) for both engines and both view pipelines;
+#   bench_compile  HIBOU-B at 25 members with the batched step under torch.compile (train.compile);
+#   report         the Markdown block for docs/performance.md with the full-grid estimate (39 study
+#                  runs, at most 50 rounds, one GPU; target under 2 hours): performance_block.md.
+# Files under $OUT (7, as the device tool returns at most 8): env.json, bench_hibou.json,
+# bench_uni.json, round.json, bench_compile.json, performance_block.md, check.log (every step's output).
 #
-#   bash benchmarks/gpu_check.sh            # on the GPU machine (device tool: carry benchmarks/wheels)
-#   bash benchmarks/gpu_check.sh --dry-run  # on a CPU: no install, tiny sizes, same steps and files
+#   bash benchmarks/fetch_wheels.sh            # here, once: pydantic and its three needs (cp312 wheels)
+#   device tool: run(command="bash benchmarks/gpu_check.sh", carry=["benchmarks/wheels"], timeout_s=600)
+#   bash benchmarks/gpu_check.sh --dry-run     # on a CPU: the same steps and files at toy sizes
 #
-# Wheels (Python 3.12, x86-64; the device image has torch, transformers, peft, opencv, numpy, yaml
-# but not pydantic): bash benchmarks/fetch_wheels.sh
+# A step that fails or overruns is recorded in check.log and the next one still runs; the exit status
+# is 1 if any step failed. GPU_CHECK_BUDGET (seconds) caps the steps before the report together:
+# default 510 on the GPU (the report then has 50 s: 560 s at most, inside the tool's 600), 3600 in a
+# dry run, whose limits only catch a hang (a CPU shared with other jobs can be many times slower).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
@@ -19,47 +33,78 @@ PY=${PYTHON:-python3}
 dry=0
 [[ "${1:-}" == "--dry-run" ]] && dry=1
 start=$(date +%s)
+budget=${GPU_CHECK_BUDGET:-$(( dry ? 3600 : 510 ))}
+log="$OUT/check.log"
+: >"$log"
 
-if [[ $dry == 0 ]] && ! $PY -c "import pydantic" 2>/dev/null; then
+if ! $PY -c "import pydantic" 2>/dev/null; then
+  ls "$here"/wheels/*.whl >/dev/null 2>&1 || { echo "gpu_check: pydantic is missing and benchmarks/wheels is empty: run benchmarks/fetch_wheels.sh here and carry benchmarks/wheels" | tee -a "$log" >&2; exit 3; }
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fedhisto_site \
-    "$here"/wheels/*.whl || { echo "gpu_check: wheel install failed" >&2; exit 3; }
+    "$here"/wheels/*.whl 2>&1 | tee -a "$log" || { echo "gpu_check: wheel install failed" | tee -a "$log" >&2; exit 3; }
   export PYTHONPATH=/tmp/fedhisto_site
 fi
 export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-$PY - >"$OUT/env.json" <<'PYEOF'
-import json, platform, torch, transformers, peft
-print(json.dumps({"python": platform.python_version(), "torch": torch.__version__,
-                  "transformers": transformers.__version__, "peft": peft.__version__,
-                  "cuda": torch.cuda.is_available(),
-                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"}, indent=2))
+# every module the steps import, before any time is spent (a missing one is named here, not minutes later)
+uni=$($PY - "$OUT/env.json" "$dry" 2>>"$log" <<'PYEOF'
+import datetime, importlib, json, os, platform, sys
+import fedhisto.bench, fedhisto.bench_report, fedhisto.train.loop, fedhisto.train.participants  # noqa: F401
+import peft, torch, transformers
+try:
+    import timm
+    timm.create_model  # noqa: B018  (timm imports torchvision: a mismatched one fails here)
+    timm_version, uni = timm.__version__, "uni"
+except Exception as exc:  # noqa: BLE001  (any import failure means: no timm here)
+    print(f"gpu_check: timm not usable ({exc!r}): UNI-size runs as phikon-v2 (transformers ViT-L/16)", file=sys.stderr)
+    timm_version, uni = None, "phikon-v2"
+env = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "dry_run": sys.argv[2] == "1",
+       "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+       "peft": peft.__version__, "timm": timm_version, "uni_encoder": uni, "cuda": torch.cuda.is_available(),
+       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "cpus": os.cpu_count()}
+with open(sys.argv[1], "w") as fh:
+    json.dump(env, fh, indent=2)
+print(uni)
 PYEOF
-cat "$OUT/env.json"
+) || { echo "gpu_check: a module the check needs does not import (see $log)" | tee -a "$log" >&2; tail -5 "$log" >&2; exit 3; }
+{ cat "$OUT/env.json"; echo; } | tee -a "$log"
+if [[ $dry == 0 && $($PY -c "import torch; print(torch.cuda.is_available())") != True ]]; then
+  echo "gpu_check: no CUDA device visible (use --dry-run on a CPU)" | tee -a "$log" >&2; exit 3
+fi
 
-# step NAME SECONDS COMMAND...: a step that overruns is stopped and recorded, the others still run
+# step NAME SECONDS COMMAND...: at most SECONDS, and never past the budget; a failure is recorded
 status=0
 step() {
   local name=$1 secs=$2; shift 2
-  echo "== $name (at most ${secs}s)"
-  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
+  local left=$(( budget - ($(date +%s) - start) ))
+  (( secs > left )) && secs=$left
+  if (( secs < 20 )); then
+    echo "gpu_check: $name skipped (${left}s of the ${budget}s budget left)" | tee -a "$log"; status=1; return
+  fi
+  echo "== $name (at most ${secs}s, at $(( $(date +%s) - start ))s)" | tee -a "$log"
+  timeout "$secs" "$@" 2>&1 | grep -v -E "Warning|warnings.warn" | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  [[ $rc == 0 ]] || { echo "gpu_check: $name ended with $rc" | tee -a "$OUT/$name.log"; status=1; }
+  [[ $rc == 0 ]] || { echo "gpu_check: $name ended with $rc" | tee -a "$log"; status=1; }
 }
 
+bench=("$PY" -m fedhisto.cli bench)
 if [[ $dry == 1 ]]; then
-  step bench_tiny 120 $PY -m fedhisto.cli bench --encoder tiny --members 5 --json "$OUT/bench_tiny.json"
-  step bench_hibou 300 $PY -m fedhisto.cli bench --encoder hibou-b --members 2 --micro-batch 1 \
-    --accumulation-steps 1 --iters 1 --warmup 1 --inference-batch 2 --json "$OUT/bench_hibou.json"
-  step round 300 $PY "$here/gpu_round.py" --images-per-client 1 --methods past_v2 --engines sequential batched \
-    --json "$OUT/round.json"
+  toy=(--depth 1 --micro-batch 1 --accumulation-steps 1 --iters 1 --warmup 1 --inference-batch 2 --view-samples 2)
+  step bench_hibou 900 "${bench[@]}" --encoder hibou-b --members 1 2 "${toy[@]}" --json "$OUT/bench_hibou.json"
+  step bench_uni 900 "${bench[@]}" --encoder "$uni" --members 1 2 "${toy[@]}" --json "$OUT/bench_uni.json"
+  step round 900 "$PY" "$here/gpu_round.py" --encoder hibou-b --depth 1 --images-per-client 1 --methods past_v2 \
+    --engines sequential batched --view-pipelines host device --json "$OUT/round.json"
+  step bench_compile 900 "${bench[@]}" --encoder tiny --members 2 "${toy[@]}" --compile --json "$OUT/bench_compile.json"
 else
-  step bench_tiny 60 $PY -m fedhisto.cli bench --encoder tiny --members 25 --iters 8 --json "$OUT/bench_tiny.json"
-  step bench_hibou 100 $PY -m fedhisto.cli bench --encoder hibou-b --members 5 --iters 8 \
-    --inference-batch 512 --json "$OUT/bench_hibou.json"
-  step bench_hibou25 100 $PY -m fedhisto.cli bench --encoder hibou-b --members 25 --iters 8 \
-    --inference-batch 512 --json "$OUT/bench_hibou25.json"
-  step round 150 $PY "$here/gpu_round.py" --images-per-client 64 --methods past_v2 --engines sequential batched \
-    --json "$OUT/round.json"
+  step bench_hibou 150 "${bench[@]}" --encoder hibou-b --members 5 25 --iters 8 --inference-batch 512 \
+    --json "$OUT/bench_hibou.json"
+  step bench_uni 180 "${bench[@]}" --encoder "$uni" --members 5 25 --iters 8 --inference-batch 256 \
+    --json "$OUT/bench_uni.json"
+  step round 120 "$PY" "$here/gpu_round.py" --encoder hibou-b --images-per-client 64 --methods past_v2 \
+    --engines sequential batched --view-pipelines host device --json "$OUT/round.json"
+  step bench_compile 150 "${bench[@]}" --encoder hibou-b --members 25 --iters 8 --inference-batch 512 --compile \
+    --json "$OUT/bench_compile.json"
 fi
-echo "gpu_check: $(( $(date +%s) - start )) s in all, status $status"
+budget=$(( budget + 50 ))  # the report always gets its 50 s
+step report 50 "$PY" "$here/gpu_report.py" "$OUT"
+echo "gpu_check: $(( $(date +%s) - start )) s in all, status $status" | tee -a "$log"
 exit $status

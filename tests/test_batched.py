@@ -49,6 +49,7 @@ def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
 
 
 def round_inputs(name: str, train: dict | None = None):
+    """One round's jobs for ``name``; ``train`` overrides keys of CFG's train block."""
     cfg = load_config({**CFG, "train": {**CFG["train"], **(train or {})}})
     method = build_method(name, cfg)
     torch.manual_seed(0)

@@ -9,7 +9,10 @@ Figures, all measured in the same process on the same device:
   ``accumulation_steps`` micro-batches), the study's objective (past_v2: CE, JS, feature consistency);
 - ``batched_pairs_s``: the same work for every member at once (``train.batched``: one encoder pass
   over all members' views, member-stacked LoRA/adapter/FiLM/head, per-member AdamW and clipping);
-- ``inference_images_s``: evaluation forward passes at a large batch (no gradients);
+- ``inference_images_s``: evaluation forward passes at a large batch (no gradients), under the
+  training autocast (bf16 on a GPU);
+- ``pipeline_inference_images_s``: the same forward as the pipeline's validation, prototypes and
+  predictions run it (``train.inference.predict``: float32, ``evaluate.eval_batch`` images per call);
 - ``*_tflops`` and ``*_ratio``: model FLOP/s (counted with torch's FlopCounterMode on one step)
   and their ratio to ``matmul_tflops``;
 - ``peak_memory_gib``: peak device memory (GPU), or the process's peak resident memory (CPU);
@@ -20,24 +23,29 @@ Figures, all measured in the same process on the same device:
   uint8 images kept on the device), images and output sized as for ``host_view_pairs_s``.
 
 Views are synthetic uint8 tiles on the device (timing does not depend on content); the encoder has
-the chosen shape with random weights (no download). Members are clients of one round (or seeds).
+the chosen shape with random weights (no download; ``depth`` builds fewer blocks, for CPU dry runs).
+Members are clients of one round (or seeds). Mixed precision is the engines' own
+(``methods.base.training_autocast``: bf16 autocast on CUDA); ``compile`` times the batched step
+with the engine's ``train.compile`` pass (``train.batched.compiled_embedding``); the first compiled
+step, compilation included, is timed apart as ``compile_warmup_s``. Deterministic kernels are on,
+as in the pipeline's runs (``model.build.set_determinism``).
 """
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fedhisto.atomic import write_json
 from fedhisto.config import load_config
 from fedhisto.methods import build_method
-from fedhisto.methods.base import Batch
+from fedhisto.methods.base import Batch, training_autocast
+from fedhisto.model.build import set_determinism
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.splits import Split
@@ -45,6 +53,7 @@ from fedhisto.train.batched import (
     Layout,
     StackedAdamW,
     clip_per_member,
+    compiled_embedding,
     member_pathway,
     stack_states,
     stacked_forward,
@@ -128,12 +137,13 @@ def device_view_rate(crop: int, device: torch.device, batch: int, iters: int = 3
 
 def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: int = 2, iters: int | None = None,
               warmup: int | None = None, inference_batch: int | None = None, compile: bool = False,
-              device: torch.device | None = None) -> dict:
+              device: torch.device | None = None, depth: int | None = None, view_samples: int = 16) -> dict:
     """The figures above as a dict (see the module docstring)."""
     # whole optimiser steps: the first ones build AdamW's state and the autograd/allocator caches
     warmup = accum if warmup is None else warmup
     iters = 2 * accum if iters is None else iters
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    set_determinism()  # the kernels the pipeline's runs get (model.build.pick_device)
     crop = encoder_entry(encoder).input_size
     head = TINY_HEAD if encoder_entry(encoder).pretrainable else STUDY_HEAD
     cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False}, **head},
@@ -141,9 +151,9 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
                        "train": {"paired_micro_batch": micro, "accumulation_steps": accum}})
     method = build_method("past_v2", cfg)
     torch.manual_seed(0)
-    model = FedHistoModel(random_encoder(encoder), cfg.model, film=method.film).to(device)
+    model = FedHistoModel(random_encoder(encoder, depth), cfg.model, film=method.film).to(device)
     model.train()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = training_autocast(device)
     mean = torch.tensor(cfg.views.mean, device=device).view(1, 3, 1, 1)
     std = torch.tensor(cfg.views.std, device=device).view(1, 3, 1, 1)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -189,14 +199,13 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     descs = desc[None].expand(members, 1, 14)
     everyone = torch.ones(members, dtype=torch.bool, device=device)
     flat = u8.transpose(0, 1).reshape(-1, 3, crop, crop)  # view-major rows, as the engine lays them out
-    encoder_call = model.encoder
-    if compile:
-        model.encoder = torch.compile(model.encoder)
+    embed = {"call": None}  # the eager encoder pass, or the compiled one (train.compile)
     bcount = {"micro": 0}
 
     def batched_step() -> None:
         with autocast:
-            logits, zs = stacked_forward(model, method, stacked, layout, _pixels(flat, mean, std), descs, patched=True)
+            logits, zs = stacked_forward(model, method, stacked, layout, _pixels(flat, mean, std), descs, patched=True,
+                                         embed=embed["call"])
         logits, zs = logits.float(), zs.float()
         total = 0
         for m in range(members):
@@ -210,10 +219,16 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
             sopt.zero_grad(everyone)
         bcount["micro"] += 1
 
+    compile_s = None
     with member_pathway(model, method, stacked, layout):
+        step_flops = _flops(batched_step)  # eager: FlopCounterMode does not see inside compiled graphs
+        if compile:
+            embed["call"] = compiled_embedding(model)
+            start = time.perf_counter()
+            batched_step()  # the first call compiles (forward and backward)
+            _sync(device)
+            compile_s = time.perf_counter() - start
         bat_s = _timed(batched_step, device, iters, warmup)
-        step_flops = _flops(batched_step) if not compile else None
-    model.encoder = encoder_call
 
     # ---- inference at a large batch
     inference_batch = inference_batch or (256 if device.type == "cuda" else 32)
@@ -227,6 +242,14 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
 
     inf_s = _timed(infer, device, iters, warmup)
     inf_flops = _flops(infer)
+    eval_batch = cfg.evaluate.eval_batch
+    eval_f32 = eval_u8[:eval_batch] if inference_batch >= eval_batch else eval_u8
+
+    @torch.no_grad()
+    def infer_as_pipeline() -> None:  # train.inference.predict: float32, eval_batch images per call
+        model(_pixels(eval_f32, mean, std), desc)
+
+    pipe_s = _timed(infer_as_pipeline, device, iters, warmup)
     peak, dtype = matmul_peak(device)
     if device.type == "cuda":
         mem = torch.cuda.max_memory_allocated() / 2**30
@@ -238,17 +261,21 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     out = {
         "device": name, "encoder": encoder, "members": members, "micro_batch": micro, "accumulation_steps": accum,
         "pairs_per_member_step": micro * accum, "compile": compile, "iters": iters,
+        "depth": depth or encoder_entry(encoder).depth, "full_depth": depth is None,
+        "autocast": "bf16" if isinstance(autocast, torch.autocast) else "none",
         "matmul_tflops": _sig(peak), "matmul_dtype": dtype,
         "sequential_pairs_s": _sig(pairs / seq_s), "batched_pairs_s": _sig(pairs / bat_s),
         "speedup": _sig(seq_s / bat_s),
         "inference_batch": inference_batch, "inference_images_s": _sig(inference_batch / inf_s),
+        "pipeline_inference_batch": eval_f32.shape[0], "pipeline_inference_images_s": _sig(eval_f32.shape[0] / pipe_s),
         "peak_memory_gib": _sig(mem), "peak_memory_kind": "device" if device.type == "cuda" else "process RSS",
-        "host_view_pairs_s": _sig(host_view_rate(crop)),
-        "device_view_pairs_s": _sig(device_view_rate(crop, device, pairs)), "device_view_batch": pairs,
+        "host_view_pairs_s": _sig(host_view_rate(crop, view_samples)),
+        "device_view_pairs_s": _sig(device_view_rate(crop, device, pairs, iters=min(3, iters))), "device_view_batch": pairs,
     }
-    if step_flops is not None:
-        out["batched_tflops"] = _sig(step_flops / bat_s / 1e12)
-        out["batched_ratio"] = _sig(step_flops / bat_s / 1e12 / peak)
+    out["batched_tflops"] = _sig(step_flops / bat_s / 1e12)
+    out["batched_ratio"] = _sig(step_flops / bat_s / 1e12 / peak)
+    if compile_s is not None:
+        out["compile_warmup_s"] = _sig(compile_s)
     out["inference_tflops"] = _sig(inf_flops / inf_s / 1e12)
     out["inference_ratio"] = _sig(inf_flops / inf_s / 1e12 / peak)
     return out
@@ -259,15 +286,20 @@ def _sig(x: float) -> float:
 
 
 def format_table(r: dict) -> str:
+    depth = "" if r.get("full_depth", True) else f", {r['depth']} blocks only"
     rows = [("device", r["device"]), ("encoder", f"{r['encoder']} ({r['members']} members, micro-batch "
-                                                  f"{r['micro_batch']} x {r['accumulation_steps']})"),
+                                                  f"{r['micro_batch']} x {r['accumulation_steps']}{depth})"),
             (f"matmul peak ({r['matmul_dtype']})", f"{r['matmul_tflops']:.3f} TFLOP/s"),
             ("sequential engine", f"{r['sequential_pairs_s']:.4g} pairs/s"),
-            ("batched engine", f"{r['batched_pairs_s']:.4g} pairs/s ({r['speedup']:.2f}x)")]
+            ("batched engine", f"{r['batched_pairs_s']:.4g} pairs/s ({r['speedup']:.2f}x)"
+                               + (f", compiled (first step {r['compile_warmup_s']:.1f} s)" if r.get("compile") else ""))]
     if "batched_tflops" in r:
         rows.append(("batched model FLOP/s", f"{r['batched_tflops']:.4f} TFLOP/s ({100 * r['batched_ratio']:.1f} % of peak)"))
     rows += [("inference", f"{r['inference_images_s']:.4g} images/s at batch {r['inference_batch']} "
                            f"({100 * r['inference_ratio']:.1f} % of peak)"),
+             ("inference as the pipeline", f"{r['pipeline_inference_images_s']:.4g} images/s (float32, batch "
+                                           f"{r['pipeline_inference_batch']})") if "pipeline_inference_images_s" in r
+             else ("inference as the pipeline", "not measured"),
              (f"peak memory ({r['peak_memory_kind']})", f"{r['peak_memory_gib']:.2f} GiB"),
              ("host views (1 process)", f"{r['host_view_pairs_s']:.4g} pairs/s")]
     if "device_view_pairs_s" in r:  # results written before the device views existed lack it
@@ -277,10 +309,18 @@ def format_table(r: dict) -> str:
 
 
 def main(args) -> int:
-    result = run_bench(args.encoder, args.members, args.micro_batch, args.accumulation_steps, args.iters,
-                       args.warmup, args.inference_batch, args.compile)
-    print(format_table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    """One run per ``--members`` value; ``--json`` gets the figures (a list when there are several),
+    rewritten after each run so a run stopped part-way keeps what it measured."""
+    members = args.members if isinstance(args.members, list) else [args.members]
+    results = []
+    for n in members:
+        results.append(run_bench(args.encoder, n, args.micro_batch, args.accumulation_steps, args.iters, args.warmup,
+                                 args.inference_batch, args.compile, depth=getattr(args, "depth", None),
+                                 view_samples=getattr(args, "view_samples", 16)))
+        print(format_table(results[-1]), flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.json, results if len(members) > 1 else results[0])
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return 0

@@ -342,13 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="pairs/s (sequential vs batched engine), inference images/s, peak memory, "
                                      "ratio to a matmul peak measured in the same run")
     p.add_argument("--encoder", choices=ENCODER_NAMES, default="tiny")
-    p.add_argument("--members", type=int, default=5, help="members trained together (clients x seeds)")
+    p.add_argument("--members", type=int, nargs="+", default=[5],
+                   help="members trained together (clients x seeds); several values: one run each, in one process")
     p.add_argument("--micro-batch", type=int, default=4, help="paired images per member and micro-batch")
     p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per optimiser step")
     p.add_argument("--iters", type=int, default=None, help="timed micro-batch steps (default: two optimiser steps)")
     p.add_argument("--warmup", type=int, default=None, help="untimed micro-batch steps (default: one optimiser step)")
     p.add_argument("--inference-batch", type=int, default=None, help="default 256 on a GPU, 32 on a CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the encoder of the batched step")
+    p.add_argument("--compile", action="store_true", help="torch.compile the batched step's encoder pass (train.compile)")
+    p.add_argument("--depth", type=int, default=None, help="build only this many encoder blocks (CPU dry runs)")
+    p.add_argument("--view-samples", type=int, default=16, help="images the host view rate is timed on")
     p.add_argument("--json", metavar="PATH", help="also write the figures here as JSON")
     p.set_defaults(func=_cmd_bench)
     return parser

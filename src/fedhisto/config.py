@@ -80,6 +80,19 @@ class TrainBase(Strict):
     view_pipeline: Literal["host", "device"] = Field(
         "host", json_schema_extra=IF_CHANGED, description="[ours] training views made on the host, or on the device from uint8 images kept there "
                             "(fedhisto.views_device: same draws, pixels within interpolation rounding)")
+    precision: Literal["auto", "float32", "bf16"] = Field(
+        "auto", json_schema_extra=IF_CHANGED, description="[ours] local training's mixed precision: auto = bf16 autocast on "
+                         "CUDA (the study's AMP on GPU) and float32 elsewhere; bf16 = bf16 autocast on any device; float32 = none")
+    compile: bool = Field(
+        False, json_schema_extra=IF_CHANGED, description="[ours] torch.compile the encoder pass of the batched engine "
+                       "(train.engine: batched only; the same math up to kernel fusion rounding)")
+
+    @model_validator(mode="after")
+    def _compile_needs_the_batched_engine(self) -> TrainBase:
+        if self.compile and self.engine != "batched":  # never silently ignored under the sequential engine
+            raise ValueError(f"train.compile compiles the batched engine's encoder pass, but train.engine is "
+                             f"{self.engine!r}; set train.engine: batched (or train.compile: false)")
+        return self
 
 
 def _train_config() -> type[TrainBase]:

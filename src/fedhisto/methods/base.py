@@ -67,7 +67,16 @@ class LocalRun:
     scratch: dict[str, Any] = field(default_factory=dict)  # what local_session sets up for the batches
 
     def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        return training_autocast(self.device, self.cfg.train.precision)
+
+
+def training_autocast(device: torch.device, precision: str = "auto"):
+    """The engines' mixed precision (``train.precision``): bf16 autocast on CUDA under ``auto`` (the
+    study's AMP on GPU), on any device under ``bf16`` (so a CPU runs the GPU's bf16 path, e.g. in
+    tests), none under ``float32``. Losses are computed from float32 outputs either way."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 @dataclass

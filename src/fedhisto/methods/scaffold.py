@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Literal
 
 import numpy as np
@@ -77,7 +77,15 @@ from pydantic import Field
 from fedhisto.config_base import Strict
 from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.fedmath.losses import class_balanced_weights
-from fedhisto.methods.base import GLOBAL, Batch, LocalRun, Method, RoundUpdate, balanced_cross_entropy
+from fedhisto.methods.base import (
+    GLOBAL,
+    Batch,
+    LocalRun,
+    Method,
+    RoundUpdate,
+    balanced_cross_entropy,
+    training_autocast,
+)
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.splits import Split, eval_batches
 
@@ -136,7 +144,7 @@ def start_gradient(model: FedHistoModel, data: Split, cfg, device: torch.device)
     for p in params.values():
         p.grad = None
     model.eval()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = training_autocast(device, t.precision)
     for x, y in eval_batches(data, cfg.views, cfg.evaluate.eval_batch):
         with autocast:
             logits, _ = model(x.to(device), None)

@@ -27,7 +27,8 @@ probabilities 0 a round ends in the same state up to float32 rounding (tests/tes
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,17 +215,40 @@ def member_pathway(model: FedHistoModel, method: Method, params: dict[str, torch
 
 def stacked_forward(model: FedHistoModel, method: Method, params: dict[str, torch.Tensor], layout: Layout,
                     pixels: torch.Tensor, descriptors: torch.Tensor | None,
-                    patched: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    patched: bool = False, embed: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One encoder pass over every group's rows with its member's LoRA, then the member heads.
 
-    params: member-stacked trainable tensors (M, ...); descriptors: (M, 1, 14) or None.
+    params: member-stacked trainable tensors (M, ...); descriptors: (M, 1, 14) or None; embed: the
+    encoder pass to call (default ``model.encoder_embedding``; ``compiled_embedding`` under train.compile).
     Returns logits (N, classes) and z (N, d) in row order."""
+    embed = embed or model.encoder_embedding
     if patched:
-        cls = model.encoder_embedding(pixels)
+        cls = embed(pixels)
     else:
         with member_pathway(model, method, params, layout):
-            cls = model.encoder_embedding(pixels)
+            cls = embed(pixels)
     return member_heads(model, params, layout, cls, descriptors)
+
+
+def _encoder_pass(model: FedHistoModel, pixels: torch.Tensor) -> torch.Tensor:
+    return model.encoder_embedding(pixels)
+
+
+@functools.cache
+def _compiled_pass() -> Callable:
+    """The one torch.compile wrapper of the process, made on first use."""
+    return torch.compile(_encoder_pass)
+
+
+def compiled_embedding(model: FedHistoModel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``train.compile``: ``torch.compile`` of the encoder pass (LoRA members patched in), forward and
+    backward. The member heads stay eager (a few small matmuls per member). Dynamo guards on the
+    patched forwards' code, not on the closures built each step, so a graph is reused while the
+    step's row layout repeats; a new layout (fewer active members, a short last micro-batch)
+    compiles once more. One wrapper for the process (graphs are cached per model by dynamo's
+    guards), so every round of a run reuses the graphs compiled in its first round."""
+    compiled = _compiled_pass()
+    return lambda pixels: compiled(model, pixels)
 
 
 # ---------------------------------------------------------------------------- engine
@@ -252,6 +276,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     losses = [LossMeans() for _ in jobs]
     updates = [0] * n_members
     autocast = runs[0].autocast
+    embed = compiled_embedding(model) if cfg.train.compile else None
     with ExitStack() as stack:
         for run in runs:
             stack.enter_context(method.local_session(run))
@@ -279,7 +304,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 layout.index = torch.tensor(layout.members, device=device)
                 x = torch.cat(pixels).to(device, non_blocking=True)
                 with autocast():
-                    logits, zs = stacked_forward(model, method, params, layout, x, descriptors)
+                    logits, zs = stacked_forward(model, method, params, layout, x, descriptors, embed=embed)
                 logits, zs = logits.float(), zs.float()
                 per_member: dict[int, tuple[list, list]] = {m: ([], []) for m in active}
                 for m, s, e in layout.spans():
