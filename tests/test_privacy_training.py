@@ -82,6 +82,24 @@ def test_epsilon_is_the_independent_accountants_and_a_killed_run_resumes_exactly
     assert "privacy" not in off and "epsilon_max" not in history(plain)[0]
     assert off["identity"]["config_hash"] != summary["identity"]["config_hash"]
 
+    # Tables 4-5 read each run's epsilon from status.json; a non-private run adds no column
+    from fedhisto.metrics import privacy_epsilon
+    from fedhisto.report import privacy_columns
+
+    assert privacy_epsilon(reference) == (report["epsilon_max"], 1e-4) and privacy_epsilon(plain) is None
+    assert privacy_columns({"method": "fedavg_peft", "epsilon_max": 2.5, "delta": 1e-4}) == {"epsilon_max": 2.5,
+                                                                                            "delta": 1e-4}
+    assert privacy_columns({"method": "fedavg_peft"}) == {}
+
+
+def test_dp_is_refused_on_the_flower_path_by_name(prepared: dict):
+    pytest.importorskip("flwr")
+    from fedhisto.federation.server import check_federable
+    from fedhisto.methods import build_method
+
+    with pytest.raises(ValueError, match=r"privacy\.enabled: DP-SGD runs on the in-process sequential engine only"):
+        check_federable(build_method("fedavg_peft", dp_cfg(prepared)), ["C1", "C2"])
+
 
 def test_a_secret_noise_seed_is_kept_in_the_checkpoint_and_reused_on_resume(prepared: dict, tmp_path: Path):
     cfg = dp_cfg(prepared, noise_seed="secret")
