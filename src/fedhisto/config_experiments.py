@@ -126,8 +126,10 @@ class PrivacyAuditConfig(Strict):
                                   description="audited methods (v2 under DP releases noised prototypes)")
     noise_multipliers: list[float] = Field(default_factory=lambda: [0.6, 1.0, 2.0], min_length=1,
                                            description="DP conditions, beside the non-private one")
-    site: ClientName = Field("C5", description="the audited site (its canaries and its returned states)")
-    canaries_per_side: int = Field(16, ge=2, description="member and as many non-member canaries, one per family")
+    sites: list[ClientName] = Field(default_factory=lambda: ["C1", "C2", "C3", "C4", "C5"], min_length=1,
+                                    description="audited sites: each has its canaries, scored on its returned states")
+    canaries_per_side: int = Field(8, ge=2, description="per audited site: members and as many non-members, "
+                                                        "one per family")
     rounds: int = Field(2, ge=1, description="rounds of each audited federation")
     seed: int = Field(11, description="run seed of the audited federations and of the canary draw")
     sample_rate: float = Field(0.1, gt=0, le=1, description="q of the DP conditions")

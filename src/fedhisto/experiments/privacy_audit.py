@@ -36,7 +36,7 @@ from fedhisto.evaluation import macro_f1
 from fedhisto.experiments.layout import privacy_audit_block, privacy_audit_config
 from fedhisto.methods import build_method
 from fedhisto.model.build import build_model, pick_device
-from fedhisto.privacy.attack import loss_difference_scores, select_canaries
+from fedhisto.privacy.attack import CanarySplit, loss_difference_scores, select_canaries
 from fedhisto.privacy.audit import audit_summary
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.splits import Split, load_partitions
@@ -52,16 +52,17 @@ NAME = "privacy_audit"
 
 @dataclass
 class Recording(InProcess):
-    """The in-process participants, recording what the coordinator sees of the audited site each round."""
+    """The in-process participants, recording what the coordinator sees of each audited site every round."""
 
-    audited: str = "C1"
-    seen: list[tuple[dict, dict]] = field(default_factory=list)   # (global start, returned) per round
+    audited: tuple[str, ...] = ()
+    seen: dict[str, list[tuple[dict, dict]]] = field(default_factory=dict)   # site -> [(global start, returned)]
 
     def train(self, r, starts, payloads):
         results, lost = super().train(r, starts, payloads)
-        if self.audited in results:
-            self.seen.append(({k: v.clone() for k, v in starts[self.audited].items()},
-                              {k: v.clone() for k, v in results[self.audited].state.items()}))
+        for site in self.audited:
+            if site in results:
+                self.seen.setdefault(site, []).append(({k: v.clone() for k, v in starts[site].items()},
+                                                       {k: v.clone() for k, v in results[site].state.items()}))
         return results, lost
 
 
@@ -71,23 +72,30 @@ def _eval_pixels(split: Split, ids: list[str], cfg: Config) -> tuple[torch.Tenso
             torch.tensor([split.labels[where[i]] for i in ids]))
 
 
+def canary_splits(cfg: Config, parts: dict[str, Split], families: dict[str, str]) -> dict[str, CanarySplit]:
+    """Each audited site's canaries, from a stream of (audit seed, 25, site index): the same in every condition."""
+    a = cfg.experiments.privacy_audit
+    return {site: select_canaries(parts[site].ids, families, a.canaries_per_side,
+                                  np.random.default_rng([a.seed, 25, int(site[1:])])) for site in a.sites}
+
+
 def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: str | Path, identity_json: str | Path,
                  descriptors_json: str | Path, out_dir: Path, encoder_dir: str | None = None) -> dict:
-    """One (condition, method): train with the canary split, score the canaries, measure utility."""
+    """One (condition, method): train with every audited site's canary split, score the canaries of each site
+    under that site's returned states, pool the sites' scores, measure utility."""
     a = cfg.experiments.privacy_audit
     c = privacy_audit_config(cfg, condition, method_name)
     device = pick_device()
     method = build_method(method_name, c)
     parts = load_partitions(manifest_csv, c.views.crop_size)
     families = manifest_families(manifest_csv)
-    site_split = parts[a.site]
-    split = select_canaries(site_split.ids, families, a.canaries_per_side,
-                            np.random.default_rng([a.seed, 25, sorted(parts).index(a.site)]))
-    withheld = set(split.withheld)
-    keep = [k for k, i in enumerate(site_split.ids) if i not in withheld]
+    splits = canary_splits(cfg, parts, families)
     clients = {k: parts[k] for k in sorted(parts) if ":" not in k and k.startswith("C")}
-    clients[a.site] = Split([site_split.ids[k] for k in keep], [site_split.labels[k] for k in keep],
-                            [site_split.images[k] for k in keep])
+    for site, split in splits.items():
+        withheld = set(split.withheld)
+        keep = [k for k, i in enumerate(parts[site].ids) if i not in withheld]
+        clients[site] = Split([parts[site].ids[k] for k in keep], [parts[site].labels[k] for k in keep],
+                              [parts[site].images[k] for k in keep])
     clients = method.participants(clients)
     descriptors = descriptors_for(method, descriptors_json, sorted(clients))
     dataset_identity = json.loads(Path(identity_json).read_text())["dataset_identity"]
@@ -100,7 +108,7 @@ def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: st
         private = PrivateSites.start(c, method, clients, families, a.seed)
     recorder = Recording(model=model, method=method, clients=clients, validation=parts["validation"],
                          descriptors=descriptors, cfg=c, seed=a.seed, device=device, private=private,
-                         audited=a.site)
+                         audited=tuple(a.sites))
     work = out_dir / condition / method_name
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = work / "checkpoint.pt"
@@ -108,31 +116,34 @@ def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: st
     ckpt = run_rounds(method, recorder, model, c, identity, checkpoint)
     checkpoint.unlink(missing_ok=True)
 
-    ids = [*split.members, *split.nonmembers]
-    pixels, labels = _eval_pixels(site_split, ids, c)
-    desc = descriptors[a.site]
-    desc = desc.to(device)[None] if desc is not None else None
-    scores = np.zeros(len(ids))
-    for start, returned in recorder.seen:
-        scores += loss_difference_scores(model, start, returned, pixels.to(device), labels.to(device), desc)
-    member, nonmember = scores[: len(split.members)], scores[len(split.members):]
-    stats = audit_summary(member, nonmember, delta=a.delta, resamples=cfg.experiments.resamples,
+    rows, member, nonmember = [], [], []
+    for site, split in splits.items():
+        ids = [*split.members, *split.nonmembers]
+        pixels, labels = _eval_pixels(parts[site], ids, c)
+        desc = descriptors[site].to(device)[None] if descriptors[site] is not None else None
+        scores = np.zeros(len(ids))
+        for start, returned in recorder.seen.get(site, []):
+            scores += loss_difference_scores(model, start, returned, pixels.to(device), labels.to(device), desc)
+        member += list(scores[: len(split.members)])
+        nonmember += list(scores[len(split.members):])
+        rows += [{"site": site, "canary": i, "member": k < len(split.members), "score": float(v)}
+                 for k, (i, v) in enumerate(zip(ids, scores, strict=True))]
+    write_csv(work / "scores.csv", rows)
+    stats = audit_summary(np.array(member), np.array(nonmember), delta=a.delta, resamples=cfg.experiments.resamples,
                           seed=cfg.experiments.bootstrap_seed)
     utility = {}
     model.load_trainable_state(ckpt["best"]["members"]["global"])
     for cohort in ("test", "external"):
         probs = predict(model, parts[cohort], descriptors["global"], c, device)
         utility[cohort] = macro_f1(parts[cohort].labels, probs.argmax(1).numpy())
-    epsilon = private.epsilons()[a.site] if private is not None else None
-    rows = [{"canary": i, "member": k < len(split.members), "score": float(s)}
-            for k, (i, s) in enumerate(zip(ids, scores, strict=True))]
-    write_csv(work / "scores.csv", rows)
-    return {"condition": condition, "method": method_name, "rounds": ckpt["round"], "audited_site": a.site,
+    eps = private.epsilons() if private is not None else None
+    return {"condition": condition, "method": method_name, "rounds": ckpt["round"], "audited_sites": list(a.sites),
             "noise_multiplier": c.privacy.noise_multiplier if c.privacy.enabled else 0.0,
-            "epsilon": epsilon, "epsilon_max": private.summary()["epsilon_max"] if private is not None else None,
+            "epsilon": max(eps[s] for s in a.sites) if eps else None, "epsilon_per_site": eps,
             "delta": a.delta, "stopped_by_budget": private.stop_reason if private is not None else None,
             "internal_macro_f1": utility["test"], "external_macro_f1": utility["external"],
-            "canaries": {"members": split.members, "nonmembers": split.nonmembers, "withheld": len(withheld)},
+            "canaries": {s: {"members": sp.members, "nonmembers": sp.nonmembers, "withheld": len(sp.withheld)}
+                         for s, sp in splits.items()},
             "attack": stats}
 
 
