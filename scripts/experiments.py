@@ -74,5 +74,15 @@ if "snakemake" in globals():
         from fedhisto.experiments.probe import summarise_probe
 
         summarise_probe(dict(smk.params.probes), smk.input.dose_response, cfg, Path(smk.output.json).parent)
+    elif rule == "audit_privacy_condition":
+        from fedhisto.experiments.privacy_audit import run_condition
+
+        run_condition(cfg, smk.wildcards.audit, smk.input.manifest, smk.input.identity, smk.input.descriptors,
+                      smk.output.json, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
+                      threads=smk.threads)
+    elif rule == "summarize_privacy_audit":
+        from fedhisto.experiments.privacy_audit import summarise_privacy_audit
+
+        summarise_privacy_audit(list(smk.input.audits), cfg, Path(smk.output.json).parent)
     else:
         raise SystemExit(f"scripts/experiments.py: no function for rule {rule!r}")

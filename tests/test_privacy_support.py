@@ -34,13 +34,14 @@ def test_privacy_off_leaves_every_train_identity_unchanged():
         load_config({"privacy": {"epsilon": 3.0}})
 
 
-def test_enabled_is_refused_until_the_engine_runs_dp():
+def test_enabled_would_be_refused_if_the_engine_did_not_run_dp(monkeypatch):
+    assert support.ENGINE_RUNS_DP  # the sequential engine runs DP-SGD (train.private)
+    monkeypatch.setattr(support, "ENGINE_RUNS_DP", False)
     with pytest.raises(ConfigError, match="DP-SGD is not yet wired into the local training loop"):
         load_config(_cfg({"enabled": True}))
 
 
-def test_refusals_name_the_method_and_the_reason(monkeypatch):
-    monkeypatch.setattr(support, "ENGINE_RUNS_DP", True)
+def test_refusals_name_the_method_and_the_reason():
     cfg = load_config(_cfg({"enabled": True, "noise_multiplier": 1.2}))
     block = stage_block(cfg, "train", method="fedavg_peft", seed=11)
     assert block["privacy"]["noise_multiplier"] == 1.2  # a DP run is another run
@@ -49,7 +50,7 @@ def test_refusals_name_the_method_and_the_reason(monkeypatch):
         load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain"]))
     with pytest.raises(ConfigError, match=r"method 'fedstain_code' cannot train under DP-SGD"):
         load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain_code"]))
-    with pytest.raises(ConfigError, match=r"train.engine: 'batched' is not supported under DP-SGD"):
+    with pytest.raises(ConfigError, match=r"train.engine: 'batched' cannot run DP-SGD; set train.engine: sequential"):
         load_config(_cfg({"enabled": True}, engine="batched"))
     with pytest.raises(ConfigError, match=r"method 'past_v2' cannot train under DP-SGD: it uploads class prototypes"):
         load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "past_v2"]))

@@ -117,6 +117,32 @@ class CalibrationConfig(Strict):
     bins: int = Field(15, ge=2, description="reliability-diagram and ECE bins")
 
 
+class PrivacyAuditConfig(Strict):
+    """Membership-inference audit of one site's returned adapters, without DP and at several DP noise levels
+    (docs/experiments.md, docs/privacy.md). The other DP settings of the audited runs are these, not
+    ``privacy:`` (which configures the main runs)."""
+
+    methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "past_v2"], min_length=1,
+                                  description="audited methods (v2 under DP releases noised prototypes)")
+    noise_multipliers: list[float] = Field(default_factory=lambda: [0.6, 1.0, 2.0], min_length=1,
+                                           description="DP conditions, beside the non-private one")
+    sites: list[ClientName] = Field(default_factory=lambda: ["C1", "C2", "C3", "C4", "C5"], min_length=1,
+                                    description="audited sites: each has its canaries, scored on its returned states")
+    canaries_per_side: int = Field(8, ge=2, description="per audited site: members and as many non-members, "
+                                                        "one per family")
+    rounds: int = Field(2, ge=1, description="rounds of each audited federation")
+    seed: int = Field(11, description="run seed of the audited federations and of the canary draw")
+    sample_rate: float = Field(0.1, gt=0, le=1, description="q of the DP conditions")
+    clip_norm: float = Field(1.0, gt=0, description="C of the DP conditions")
+    delta: float = Field(1e-4, gt=0, lt=1, description="delta of the reported epsilons (below 1 / the site's units)")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> PrivacyAuditConfig:
+        if sorted(set(self.noise_multipliers)) != sorted(self.noise_multipliers) or min(self.noise_multipliers) <= 0:
+            raise ValueError(f"noise_multipliers must be distinct and > 0 (got {self.noise_multipliers})")
+        return self
+
+
 class ExperimentsConfig(Strict):
     methods: list[Method] = Field(
         default_factory=lambda: ["fedavg_peft", "fedprox_peft", "past_v1", "past_v2", "fedstain"], min_length=1,
@@ -130,6 +156,7 @@ class ExperimentsConfig(Strict):
     leave_one_site_out: LeaveOneSiteOutConfig = LeaveOneSiteOutConfig()
     calibration: CalibrationConfig = CalibrationConfig()
     probe: ProbeConfig = ProbeConfig()
+    privacy_audit: PrivacyAuditConfig = PrivacyAuditConfig()
 
     @model_validator(mode="after")
     def _principal(self) -> ExperimentsConfig:

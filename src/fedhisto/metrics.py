@@ -64,6 +64,14 @@ def unavailable_client_rounds(train_dir: str | Path | None) -> int:
     return int(json.loads((Path(train_dir) / "status.json").read_text()).get("unavailable_client_rounds", 0))
 
 
+def privacy_epsilon(train_dir: str | Path | None) -> tuple[float, float] | None:
+    """A DP run's (largest per-site epsilon, delta) from its status.json; None for a non-private run."""
+    if train_dir is None or not (Path(train_dir) / "status.json").exists():
+        return None
+    dp = json.loads((Path(train_dir) / "status.json").read_text()).get("privacy")
+    return (float(dp["epsilon_max"]), float(dp["delta"])) if dp else None
+
+
 def run_metrics(runs: list[tuple], cfg: Config, out_dir: str | Path) -> dict:
     """``runs``: (method, seed, predictions folder[, training folder]) for every trained run; the training
     folder's status.json gives the run's tolerated unavailable client-rounds."""
@@ -73,6 +81,7 @@ def run_metrics(runs: list[tuple], cfg: Config, out_dir: str | Path) -> dict:
     finalised: dict[str, list[int]] = defaultdict(list)
     failed: dict[str, list[int]] = defaultdict(list)
     unavailable: dict[str, int] = defaultdict(int)
+    epsilons: dict[str, list[tuple[float, float]]] = defaultdict(list)  # DP runs only (train.private)
     for method, seed, folder, *train_dir in runs:
         folder = Path(folder)
         test = _rows(folder / "test.csv")
@@ -81,6 +90,10 @@ def run_metrics(runs: list[tuple], cfg: Config, out_dir: str | Path) -> dict:
         missed = unavailable_client_rounds(train_dir[0] if train_dir else None)
         unavailable[method] += missed
         entry = {"status": status, "unavailable_client_rounds": missed}
+        dp = privacy_epsilon(train_dir[0] if train_dir else None)
+        if dp is not None:
+            epsilons[method].append(dp)
+            entry["epsilon"], entry["delta"] = dp
         for cohort in ("test", "external"):
             if cohort == "test" and status != "finalised":
                 continue  # internal scores of a failed run are not reported, never imputed
@@ -115,6 +128,9 @@ def run_metrics(runs: list[tuple], cfg: Config, out_dir: str | Path) -> dict:
         worst = [e["clients"]["worst"] for e in ok]
         row["worst_client_macro_f1_mean"] = round(float(np.mean(worst)), 6) if worst else ""
         row["worst_client_macro_f1_sd"] = round(float(np.std(worst, ddof=1)), 6) if len(worst) > 1 else ""
+        if epsilons[method]:  # the worst seed's largest per-site epsilon: what the method's runs guarantee
+            row["epsilon_max"] = max(e for e, _ in epsilons[method])
+            row["delta"] = max(d for _, d in epsilons[method])
         summary.append(row)
     ens_rows, subgroup_rows = [], []
     ensembles = {}

@@ -42,6 +42,12 @@ def unavailability_notes(summary: list[dict], methods: set[str]) -> list[str]:
             for r in summary if r["method"] in methods and int(r.get("unavailable_client_rounds") or 0) > 0]
 
 
+def privacy_columns(summary_row: dict) -> dict:
+    """Epsilon (the largest per-site value over the method's seeds) and delta, for DP runs only: the
+    tables of non-private runs keep their columns."""
+    return {k: summary_row[k] for k in ("epsilon_max", "delta") if k in summary_row}
+
+
 def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], communication_csv: str | Path,
                external_predictions: dict[str, list[str]], tables_dir: str | Path, figures_dir: str | Path,
                manifest_dir: str | Path | None = None, bootstrap: dict | None = None,
@@ -63,16 +69,18 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "accuracy_mean": row["test_accuracy_mean"], "macro_auroc_mean": row["test_macro_auroc_mean"],
                    "ece_mean": row["test_ece_mean"], "worst_client_macro_f1_mean": row["worst_client_macro_f1_mean"],
                    "worst_client_macro_f1_sd": row["worst_client_macro_f1_sd"],
-                   "unavailable_client_rounds": row.get("unavailable_client_rounds", 0)})
+                   "unavailable_client_rounds": row.get("unavailable_client_rounds", 0),
+                   **privacy_columns(row)})
     write_table(tables / "table4_internal", t4, "Table 4: internal global test (finalised seeds, mean and sample SD)",
                 warned)
     missed = {r["method"]: r.get("unavailable_client_rounds", 0) for r in m["summary"]}
+    dp = {r["method"]: privacy_columns(r) for r in m["summary"]}
     t5 = []
     for method, e in m["ensembles"].items():
         t5.append({"method": method, "macro_f1": e["macro_f1"], "balanced_accuracy": e["balanced_accuracy"],
                    "accuracy": e["accuracy"], **{f"recall_{c}": e["per_class"][c]["recall"] for c in CLASSES},
                    "nll": e["nll"], "brier": e["brier"], "ece": e["ece"],
-                   "unavailable_client_rounds": missed.get(method, 0)})
+                   "unavailable_client_rounds": missed.get(method, 0), **dp.get(method, {})})
     write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles", warned)
     boots = [json.loads(Path(p).read_text()) for p in bootstrap_jsons]
     for path, b in zip(bootstrap_jsons, boots, strict=True):

@@ -9,6 +9,7 @@ wildcard_constraints:
     condition=X.condition_pattern(),
     encoder=X.encoder_pattern(CFG),
     label=X.entry_pattern(CFG),
+    audit=X.privacy_audit_pattern(CFG),
 
 
 rule render_shifted_cohort:
@@ -300,6 +301,47 @@ rule summarize_probe:
     params:
         probes=X.probe_files(CFG),
         block=X.experiment_block(CFG, "probe"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule audit_privacy_condition:
+    # one condition of the membership audit: the audited federations with canaries, their attack scores
+    input:
+        unpack(lambda wildcards: X.privacy_audit_inputs(CFG)),
+    output:
+        json=f"{X.ROOT}/privacy_audit/{{audit}}/audit.json",
+    log:
+        "logs/experiments/privacy_audit/{audit}.log",
+    params:
+        block=lambda wildcards: X.privacy_audit_block(CFG, wildcards.audit),
+    threads: 1
+    resources:
+        mem_mb=train_mem_mb,
+        runtime=train_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule summarize_privacy_audit:
+    input:
+        audits=X.privacy_audit_files(CFG),
+    output:
+        **X.summary_files("privacy_audit"),
+    log:
+        "logs/experiments/summarize_privacy_audit.log",
+    params:
+        block=lambda wildcards: X.privacy_audit_block(CFG),
     threads: 1
     resources:
         mem_mb=2000,

@@ -14,7 +14,7 @@ from fedhisto.config_base import identity_dump
 from fedhisto.stage_config import stage_block
 
 ROOT = "results/experiments"
-EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe")
+EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe", "privacy_audit")
 PLAIN = "dose_response/plain"  # the dose-response condition trained on the plain encoder
 PLAIN_ENCODER = f"{ROOT}/dose_response/encoder_plain"
 
@@ -229,3 +229,60 @@ def calibration_files(cfg: Config) -> list[str]:
     """The rule's inputs: each run's status (its validation predictions are not a declared output) and predictions."""
     return [p for m, s, _val, test, ext in calibration_inputs(cfg) for p in (f"results/train/{m}/seed{s}/status.json",
                                                                           test, ext)]
+
+
+def privacy_audit_conditions(cfg: Config) -> list[str]:
+    """The audit's conditions: ``nonprivate`` and ``sigma<noise multiplier>`` (``experiments.privacy_audit``)."""
+    return ["nonprivate", *(f"sigma{s:g}" for s in cfg.experiments.privacy_audit.noise_multipliers)]
+
+
+def privacy_audit_pattern(cfg: Config) -> str:
+    """Wildcard constraint of ``{audit}``."""
+    return "|".join(c.replace(".", r"\.") for c in privacy_audit_conditions(cfg))
+
+
+def privacy_audit_files(cfg: Config) -> list[str]:
+    return [f"{ROOT}/privacy_audit/{c}/audit.json" for c in privacy_audit_conditions(cfg)]
+
+
+def privacy_audit_inputs(cfg: Config) -> dict[str, str | list[str]]:
+    """The main manifest, descriptors and encoder: the audited federations retrain on them."""
+    return {"manifest": "results/manifest/manifest.csv", "identity": "results/manifest/manifest.json",
+            "descriptors": "results/stain/descriptors.json",
+            "encoder": ["results/pretrain/encoder"] if cfg.model.pretrain.enabled else []}
+
+
+def privacy_audit_config(cfg: Config, condition: str, method: str) -> Config:
+    """The config of one audited federation: the main one with the audit's rounds and seed, the sequential
+    engine, one method, and (a ``sigma<v>`` condition) DP-SGD at noise multiplier v with the audit's q, C,
+    delta, noised prototypes and a secret noise seed."""
+    import json
+
+    from fedhisto.config import load_config
+
+    a = cfg.experiments.privacy_audit
+    raw = json.loads(cfg.model_dump_json())
+    raw["train"].update(methods=[method], ablations=[], ablation_seeds=[], comparator_seeds=None, seeds=[a.seed],
+                        max_rounds=a.rounds, patience=a.rounds, engine="sequential")
+    raw["bootstrap"]["comparisons"] = {}
+    if condition == "nonprivate":
+        raw["privacy"] = {"enabled": False}
+    elif condition in privacy_audit_conditions(cfg):
+        raw["privacy"] = {"enabled": True, "noise_multiplier": float(condition.removeprefix("sigma")),
+                          "clip_norm": a.clip_norm, "sample_rate": a.sample_rate, "delta": a.delta,
+                          "prototypes": "noised", "noise_seed": "secret"}
+    else:
+        raise ValueError(f"unknown privacy_audit condition {condition!r} (conditions: {privacy_audit_conditions(cfg)})")
+    return load_config(raw)
+
+
+def privacy_audit_block(cfg: Config, condition: str | None = None) -> dict:
+    """What a condition's audit (or, condition None, the summary) depends on beyond its input files."""
+    x = cfg.experiments
+    block = {"experiment": "privacy_audit", "privacy_audit": x.privacy_audit.model_dump(mode="json"),
+             "resamples": x.resamples, "bootstrap_seed": x.bootstrap_seed}
+    if condition is not None:
+        block.update(condition=condition, train={
+            m: stage_block(privacy_audit_config(cfg, condition, m), "train", method=m, seed=x.privacy_audit.seed)
+            for m in x.privacy_audit.methods})
+    return block

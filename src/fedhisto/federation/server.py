@@ -48,6 +48,9 @@ class Exchange(Protocol):
 
 
 def check_federable(method: Method, sites: list[str]) -> None:
+    if method.cfg.privacy.enabled:  # the ledger and secret noise seed live in the in-process run's checkpoint
+        raise ValueError("privacy.enabled: DP-SGD runs on the in-process sequential engine only; a Flower site "
+                         "keeps no privacy ledger or secret noise seed between messages yet (docs/privacy.md)")
     if type(method).participants is not Method.participants or method.members(sites) != [GLOBAL]:
         raise ValueError(f"method {method.name!r} is not a federated method with one global model "
                          "(local_only and pooled run only on the in-process engine)")

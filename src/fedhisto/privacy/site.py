@@ -68,16 +68,19 @@ class DPSite:
     def train_round(self, round_idx: int, model: nn.Module, optimizer: torch.optim.Optimizer, unit_loss: UnitLoss,
                     fetch: Fetch, descriptor: torch.Tensor | None = None,
                     data_free_gradient: DataFreeGradient | None = None, device: torch.device | str = "cpu",
-                    chunk_size: int | None = None) -> float:
+                    chunk_size: int | None = None, on_step: Callable[[int], None] | None = None) -> float:
         """The round's DP-SGD steps; returns the site's epsilon after it. ``data_free_gradient`` adds the
-        gradient of a term without data (FedProx's proximal term) after the noise."""
+        gradient of a term without data (FedProx's proximal term) after the noise; ``on_step(s)`` is told
+        the step index before step s's batch is fetched (the engine seeds that step's views with it)."""
         p = self.privacy
         releases = round_releases(p.noise_multiplier, p.sample_rate, self.local_epochs, self.uploads_prototypes)
         self.ledger.check_round(round_idx, releases)
         sampling, noise_seed = _round_seeds(self.seed, round_idx)
         generator, _ = noise_generator(device, noise_seed)
         acc = NoisyGradientSum(p.clip_norm, p.noise_multiplier, p.sample_rate * self.units.n_units)
-        for _ in range(self.steps_per_round()):
+        for step in range(self.steps_per_round()):
+            if on_step is not None:
+                on_step(step)
             selected = poisson_sample(self.units.n_units, p.sample_rate, sampling)
             grads = logical_step(model, unit_loss, self.units, selected, fetch, acc, generator,
                                  micro_batch=p.micro_batch, descriptor=descriptor, dropout=p.dropout,

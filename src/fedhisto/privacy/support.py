@@ -27,9 +27,9 @@ from fedhisto.methods import registration
 #: The batched engine forwards every client's views in one pass with masks drawn once for the stack;
 #: DP-SGD is built for the sequential engine only.
 DP_ENGINES = ("sequential",)
-#: Set to True where the local training loop runs DP-SGD (``per_sample`` + ``dpsgd`` + ``accountant``);
-#: until then ``privacy.enabled: true`` is refused rather than silently training without privacy.
-ENGINE_RUNS_DP = False
+#: The sequential engine runs DP-SGD (``train.private``: ``per_sample`` + ``dpsgd`` + ``accountant``). Were it
+#: False, ``privacy.enabled: true`` would be refused rather than silently train without privacy.
+ENGINE_RUNS_DP = True
 
 _PAST = "fedhisto.methods.past:PastFamily"
 _REFUSED = {
@@ -72,13 +72,35 @@ def privacy_refusals(methods: list[str], engine: str, prototypes: str = "refuse"
         out.append("privacy.enabled: DP-SGD is not yet wired into the local training loop (fedhisto.privacy "
                    "holds its parts); refusing rather than training without privacy")
     if engine not in DP_ENGINES:
-        out.append(f"train.engine: {engine!r} is not supported under DP-SGD (use 'sequential'): the batched "
-                   "engine draws one dropout mask per stacked row across clients and has no per-unit gradients")
+        out.append(f"train.engine: {engine!r} cannot run DP-SGD; set train.engine: sequential (the batched "
+                   "engine stacks every client's views in one pass and computes no per-unit gradients)")
     for name in methods:
         why = method_refusal(name, prototypes)
         if why:
             out.append(f"method {name!r} cannot train under DP-SGD: {why}")
     return out
+
+
+def budget_refusal(cfg: Any, methods: list[str]) -> str | None:
+    """Why the budget cannot be met by a method's plan (None: it can, or no budget). Epsilon per round
+    depends on sigma, q, steps, delta and whether the method uploads noised prototypes, not on a site's
+    size, so this holds for every site; the site-level check (delta below 1/units) runs when the run
+    starts (``accountant.check_plan``)."""
+    from fedhisto.privacy.accountant import PrivacyBudgetExceeded, check_plan
+    from fedhisto.privacy.releases import round_releases
+
+    p = cfg.privacy
+    if p.target_epsilon is None:
+        return None
+    for name in methods:
+        protos = registration(name).options.get("prototypes", "none") != "none"
+        releases = round_releases(p.noise_multiplier, p.sample_rate, cfg.train.local_epochs, protos)
+        try:  # n only enters the delta < 1/n check, made per site when the run starts: any n below 1/delta
+            check_plan(name, max(1, int(0.5 / p.delta)), releases, cfg.train.max_rounds, p.delta,
+                       p.target_epsilon, p.on_budget)
+        except PrivacyBudgetExceeded as exc:
+            return f"privacy.target_epsilon: method {name!r} (every site): {str(exc).removeprefix(f'site {name}: ')}"
+    return None
 
 
 def check_privacy(cfg: Any) -> None:
@@ -88,5 +110,8 @@ def check_privacy(cfg: Any) -> None:
         return
     methods = list(dict.fromkeys([*cfg.train.methods, *cfg.train.ablations]))
     problems = privacy_refusals(methods, cfg.train.engine, p.prototypes)
+    budget = budget_refusal(cfg, methods)
+    if budget:
+        problems.append(budget)
     if problems:
         raise ValueError("privacy.enabled is true but:\n    " + "\n    ".join(problems))

@@ -71,6 +71,11 @@ class TooManyUnavailable(RuntimeError):
     """More tolerated client-rounds than ``train.max_unavailable_client_rounds`` allows."""
 
 
+class RunStopped(RuntimeError):
+    """The participants stop the run before a round (the privacy budget would be exceeded): the rounds so
+    far stand, the checkpoint records why (``stop_reason``) and the run is finalised as stopped."""
+
+
 def save_checkpoint(path: Path, ckpt: dict) -> None:
     ckpt = {**ckpt, "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                             "torch": torch.get_rng_state()}}
@@ -196,6 +201,10 @@ def run_round(method: Method, parts: Participants, ckpt: dict, r: int, model: Fe
     if method.post_uploads:
         server_state = method.aggregate_uploads(after, server_state) if after else None
     ckpt.update(members=members, server_state=server_state)
+    snapshot = getattr(parts, "state", None)  # participants' own state (DP ledgers), if they keep one
+    kept = snapshot() if snapshot is not None else None
+    if kept is not None:
+        ckpt["participants"] = kept
     row = {"weights": update.weights, "unavailable_clients": unavailable,
            "losses": {n: results[n].losses for n in returned}, **parts.row_extra()}
     return row, member_metrics
@@ -209,6 +218,9 @@ def run_rounds(method: Method, parts: Participants, model: FedHistoModel, cfg: C
     kill (tests)."""
     t = cfg.train
     ckpt = start_or_resume(checkpoint, identity, lambda: fresh_checkpoint(model, method, parts.names, identity))
+    restore = getattr(parts, "restore", None)
+    if restore is not None:
+        restore(ckpt.get("participants"))
     # the rule log gets close_round's one line per round; a terminal also gets a bar
     bar = Progress(t.max_rounds, f"{identity['method']} s{identity['seed']}", "round", initial=ckpt["round"],
                    logger=log, summary=False)
@@ -216,7 +228,13 @@ def run_rounds(method: Method, parts: Participants, model: FedHistoModel, cfg: C
         while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
             r = ckpt["round"]
             start = time.perf_counter()
-            row, member_metrics = run_round(method, parts, ckpt, r, model)
+            try:
+                row, member_metrics = run_round(method, parts, ckpt, r, model)
+            except RunStopped as exc:
+                log.warning("stopping before round %d: %s", r + 1, exc)
+                ckpt.update(stopped=True, stop_reason=str(exc))
+                save_checkpoint(checkpoint, ckpt)
+                break
             val = close_round(ckpt, cfg, r, row, member_metrics, start, checkpoint)
             bar.update()
             bar.set_postfix(val_f1=f"{val:.3f}", best=f"{ckpt['best']['metric']:.3f}")

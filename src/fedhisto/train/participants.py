@@ -55,6 +55,15 @@ class InProcess:
     batched: bool = False
     client_fault: dict = field(default_factory=dict)  # for tests: {round index: client} declared unavailable
     client_error: dict = field(default_factory=dict)  # for tests: {round index: client} raises a plain error
+    private: Any = None  # train.private.PrivateSites under privacy.enabled: DP-SGD instead of local_train
+
+    def state(self) -> dict | None:
+        """For the checkpoint: the sites' privacy ledgers and secret seeds (None without DP)."""
+        return self.private.state() if self.private is not None else None
+
+    def restore(self, saved: dict | None) -> None:
+        if self.private is not None:
+            self.private.restore(saved)
 
     @property
     def names(self) -> list[str]:
@@ -90,6 +99,10 @@ class InProcess:
 
     def train(self, r, starts, payloads):
         k = {n: self.names.index(n) for n in starts}
+        if self.private is not None:  # sequential only (privacy.support refuses the batched engine)
+            self.private.before_round(r, list(starts))
+            return self._each(r, starts, lambda n: self.private.local_train(
+                n, self.model, starts[n], self.descriptors[n], payloads[n], r, k[n], self.device))
         if not self.batched:
             return self._each(r, starts, lambda n: local_train(
                 self.method, self.model, starts[n], self.clients[n], self.descriptors[n], payloads[n], self.cfg,
@@ -110,6 +123,8 @@ class InProcess:
     def post(self, r, members, uploaders):
         def upload(n: str):
             self.model.load_trainable_state(self.method.start_state(members, n))
+            if self.private is not None:  # the prototype upload through the Gaussian mechanism
+                return self.private.upload_prototypes(n, self.model, self.descriptors[n], r, self.device)
             return self.method.upload_after_aggregation(self.model, self.clients[n], self.descriptors[n], self.device)
 
         after, lost = self._each(r, uploaders, upload, inject=False)
@@ -118,7 +133,7 @@ class InProcess:
         return after, lost, metrics
 
     def row_extra(self) -> dict:
-        return {}
+        return self.private.row() if self.private is not None else {}
 
 
 __all__ = ["InProcess", "LocalResult", "macro_f1", "validate_members"]

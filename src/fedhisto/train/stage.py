@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -75,8 +76,21 @@ def _write_history(path: Path, history: list[dict]) -> None:
              "weights": json.dumps(h["weights"]), "losses": json.dumps(h["losses"]),
              "unavailable_clients": json.dumps(h["unavailable_clients"]),
              "member_macro_f1": json.dumps(h["member_metrics"]), "wall_s": h["wall_s"]} for h in history]
-    write_csv(path, rows, ["round", "val_macro_f1", "best", "weights", "losses", "unavailable_clients",
-                           "member_macro_f1", "wall_s"])
+    columns = ["round", "val_macro_f1", "best", "weights", "losses", "unavailable_clients", "member_macro_f1", "wall_s"]
+    sites = sorted({s for h in history for s in h.get("privacy", {}).get("epsilon", {})})
+    if sites:  # DP runs only: each site's epsilon at privacy.delta after the round, and their maximum
+        for row, h in zip(rows, history, strict=True):
+            eps = h["privacy"]["epsilon"]
+            row.update(epsilon_max=f"{h['privacy']['epsilon_max']:.6f}", delta=h["privacy"]["delta"],
+                       **{f"epsilon_{s}": f"{eps[s]:.6f}" for s in sites})
+        columns += ["epsilon_max", "delta", *(f"epsilon_{s}" for s in sites)]
+    write_csv(path, rows, columns)
+
+
+def manifest_families(manifest_csv: str | Path) -> dict[str, str]:
+    """Every image's clearance family (manifest column ``family``), for ``privacy.unit: family``."""
+    with Path(manifest_csv).open() as fh:
+        return {r["sample_id"]: r["family"] for r in csv.DictReader(fh) if r.get("family")}
 
 
 def finalise_run(out: Path, ckpt: dict, summary: dict, ids: list[str], labels: list[int],
@@ -136,9 +150,15 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
     identity = run_identity(cfg, m, seed, dataset_identity, descriptors, encoder_dir)
     model = build_model(cfg, m, seed, encoder_dir).to(device)
     _set_aside_foreign_checkpoint(out / "checkpoint.pt", identity)
+    private = None
+    if cfg.privacy.enabled:  # every site's plan is checked here, before any training (train.private)
+        from fedhisto.train.private import PrivateSites
+
+        families = manifest_families(manifest_csv) if cfg.privacy.unit == "family" else None
+        private = PrivateSites.start(cfg, m, clients, families, seed)
     participants = InProcess(model=model, method=m, clients=clients, validation=parts["validation"],
                              descriptors=descriptors, cfg=cfg, seed=seed, device=device,
-                             batched=cfg.train.engine == "batched", **test_hooks)
+                             batched=cfg.train.engine == "batched", private=private, **test_hooks)
     prov = provenance_block(STAGE, stage_block(cfg, STAGE, method=method, seed=seed),
                             {"manifest": manifest_csv, "descriptors": descriptors_json})
     summary = {"method": method, "seed": seed, "identity": identity, "runtime": runtime_block(device),
@@ -155,11 +175,16 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
         write_json(out / "status.json", {"status": "failed", "method": method, "seed": seed,
                                          "dataset_identity": dataset_identity, "provenance": prov})
         return {**summary, **failure}
+    status_extra = {"dataset_identity": dataset_identity}
+    if private is not None:
+        private.stop_reason = private.stop_reason or ckpt.get("stop_reason")
+        summary["privacy"] = private.summary()
+        status_extra["privacy"] = {k: summary["privacy"][k] for k in ("epsilon_max", "delta", "stopped_by_budget")}
     best = ckpt["best"]["members"]  # evaluation uses the validation-selected states
     member_probs = {}
     for member, state in best.items():
         model.load_trainable_state(state)
         member_probs[member] = predict(model, parts["validation"], descriptors["global"], cfg, device)
     return finalise_run(out, ckpt, summary, parts["validation"].ids, parts["validation"].labels, member_probs,
-                        {"dataset_identity": dataset_identity})
+                        status_extra)
 

@@ -1,0 +1,182 @@
+"""DP-SGD in the sequential engine: every participant's local run under ``privacy.enabled`` (docs/privacy.md).
+
+``PrivateSites`` holds one ``privacy.site.DPSite`` per participant (its units, ledger and secret
+noise seed) for the whole run. Before any training it checks every site's plan (an unsatisfiable
+budget is refused there, by site); each round it refuses to start a round that would take a site past
+``privacy.target_epsilon`` (``RunStopped``: the run stops there and says so), runs the round as
+round(1/q) x ``local_epochs`` Poisson steps of clipped per-unit gradients plus Gaussian noise, and
+(v1/v2 with ``privacy.prototypes: noised``) releases the prototype upload through the Gaussian
+mechanism. Its ``state()`` goes into the run's checkpoint and ``restore`` resumes it exactly.
+
+The plan is ``train.plan``'s (the round's torch seed for dropout, the ``LocalRun`` the method's view
+hook sees, the optimiser), with two differences that privacy forces: the batches are Poisson draws
+of whole units instead of a permutation, and the site reports no training losses (they are
+functions of its data that nothing noises; the history's ``losses`` are empty under DP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedhisto.config import Config
+from fedhisto.fedmath.prototypes import ClientPrototypes
+from fedhisto.methods.base import Batch, Method
+from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
+from fedhisto.privacy.accountant import PrivacyBudgetExceeded
+from fedhisto.privacy.dpsgd import noise_generator, privacy_units, steps_per_epoch
+from fedhisto.privacy.releases import noised_prototypes, round_releases
+from fedhisto.privacy.site import DPSite
+from fedhisto.privacy.unit_loss import PastUnitLoss, past_unit_loss
+from fedhisto.splits import Split, eval_batches
+from fedhisto.train.local import OPTIMIZERS
+from fedhisto.train.loop import RunStopped
+from fedhisto.train.plan import LocalResult, MemberJob, check_optimizer, local_run, seed_round
+
+
+def unit_loss_for(method: Method, payload: dict, ce_weights: torch.Tensor, device: torch.device):
+    """The method's objective of one image (``privacy.unit_loss``); ``privacy.support`` admits only these."""
+    from fedhisto.methods.past import PastFamily
+
+    if isinstance(method, PastFamily):
+        return past_unit_loss(method, payload, ce_weights, device)
+    return PastUnitLoss(ce_weights=ce_weights.to(device))  # local_only, pooled: class-balanced CE on one view
+
+
+def _seed_for(run_seed: int, client_idx: int) -> int:
+    """``privacy.noise_seed: run``: reproducible from the run seed (research only, see docs/privacy.md)."""
+    return int(np.random.SeedSequence([run_seed, 25, client_idx]).generate_state(1, np.uint64)[0] >> 1)
+
+
+@dataclass
+class PrivateSites:
+    cfg: Config
+    method: Method
+    clients: dict[str, Split]                 # the participants' optimisation sets
+    family_of: dict[str, str] | None
+    seed: int                                 # the run seed
+    sites: dict[str, DPSite] = field(default_factory=dict)
+    stop_reason: str | None = None
+
+    @classmethod
+    def start(cls, cfg: Config, method: Method, clients: dict[str, Split], family_of: dict[str, str] | None,
+              seed: int) -> PrivateSites:
+        """Every participant's units and plan check (refusals raise before any training)."""
+        out = cls(cfg, method, clients, family_of, seed)
+        p, epochs = cfg.privacy, method.local_schedule(0).epochs
+        for k, name in enumerate(sorted(clients)):
+            secret = None if p.noise_seed == "secret" else _seed_for(seed, k)
+            out.sites[name] = DPSite.start(name, out.units_of(name), p, cfg.train.max_rounds, epochs,
+                                           out.uploads_prototypes, seed=secret)
+        return out
+
+    @property
+    def uploads_prototypes(self) -> bool:
+        return bool(self.method.post_uploads)
+
+    def units_of(self, name: str):
+        return privacy_units(self.clients[name].ids, self.cfg.privacy.unit, self.family_of)
+
+    # -------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, Any]:
+        return {"privacy": {n: s.state() for n, s in sorted(self.sites.items())}}
+
+    def restore(self, saved: dict | None) -> None:
+        """Resume every site's ledger and secret seed from the checkpoint (None: a fresh run)."""
+        if not saved:
+            return
+        epochs = self.method.local_schedule(0).epochs
+        got = saved["privacy"]
+        if set(got) != set(self.sites):
+            raise ValueError(f"checkpoint privacy state has sites {sorted(got)}, the run has {sorted(self.sites)}")
+        self.sites = {n: DPSite.resume(got[n], self.units_of(n), self.cfg.privacy, epochs, self.uploads_prototypes)
+                      for n in sorted(got)}
+
+    # ------------------------------------------------------------ rounds
+    def before_round(self, r: int, names: list[str]) -> None:
+        """Stop the run (``RunStopped``) when round ``r`` would take any of ``names`` past the budget."""
+        p = self.cfg.privacy
+        releases = round_releases(p.noise_multiplier, p.sample_rate, self.method.local_schedule(r).epochs,
+                                  self.uploads_prototypes)
+        for n in names:
+            try:
+                self.sites[n].ledger.check_round(r, releases)
+            except PrivacyBudgetExceeded as exc:
+                self.stop_reason = f"privacy budget: {exc}"
+                raise RunStopped(self.stop_reason) from exc
+
+    def local_train(self, name: str, model: FedHistoModel, start_state: dict[str, torch.Tensor],
+                    descriptor: torch.Tensor | None, payload: dict, round_idx: int, client_idx: int,
+                    device: torch.device) -> LocalResult:
+        """One participant's round of DP-SGD from ``start_state`` (the sequential engine's plan otherwise)."""
+        method, cfg, data, site = self.method, self.cfg, self.clients[name], self.sites[name]
+        job = MemberJob(start_state, data, descriptor, payload, self.seed, round_idx, client_idx)
+        plan = method.local_schedule(round_idx)
+        check_optimizer(method, plan, tuple(OPTIMIZERS), "sequential")
+        seed_round(job)  # the per-sample dropout masks draw from the round's torch stream
+        model.load_trainable_state(start_state)
+        model.train()
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        opt = OPTIMIZERS[plan.optimizer](params.values(), lr=plan.lr, weight_decay=plan.weight_decay)
+        run = local_run(model, job, cfg, plan, device, params)
+        loss = unit_loss_for(method, payload, run.ce_weights, device)
+        per_epoch, step = steps_per_epoch(cfg.privacy.sample_rate), [0]
+
+        def fetch(images: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            # views as the non-private engine draws them: seeded by (run seed, round x epochs + epoch, image id)
+            epoch = step[0] // per_epoch
+            y = torch.tensor([data.labels[i] for i in images], device=device)
+            inputs = method.batch_inputs(run, Batch(images, y, epoch, round_idx * plan.epochs + epoch, step[0]))
+            return torch.stack([v.to(device) for v in inputs.views], dim=1), y
+
+        def proximal_gradient() -> dict[str, torch.Tensor]:
+            # FedProx's (mu/2)||theta - theta_global||^2 has no data: its gradient joins after the noise
+            mu = method.settings.fedprox_mu
+            return {n: mu * (p.detach() - run.start_state[n].to(p.dtype)) for n, p in params.items()}
+
+        with method.local_session(run):
+            site.train_round(round_idx, model, opt, loss, fetch, descriptor=run.descriptor,
+                             data_free_gradient=proximal_gradient if getattr(method, "proximal", False) else None,
+                             device=device, on_step=lambda s: step.__setitem__(0, s))
+        return LocalResult(model.trainable_state(), len(data), {}, site.steps_per_round())
+
+    @torch.no_grad()
+    def upload_prototypes(self, name: str, model: FedHistoModel, descriptor: torch.Tensor | None, round_idx: int,
+                          device: torch.device) -> ClientPrototypes:
+        """v1/v2's post-aggregation upload through the Gaussian mechanism (``privacy.releases``; in the ledger
+        since ``round_releases`` counts it), over every unit's images (the non-private cap is dropped)."""
+        data, site = self.clients[name], self.sites[name]
+        model.eval()
+        desc = descriptor.to(device)[None] if descriptor is not None else None
+        zs, ys = [], []
+        for x, y in eval_batches(data, self.cfg.views, self.cfg.evaluate.eval_batch):
+            zs.append(model.embed(x.to(device), desc).float().cpu())
+            ys.append(y)
+        seed = int(np.random.SeedSequence([site.seed, round_idx, 2]).generate_state(1, np.uint64)[0] >> 1)
+        generator, _ = noise_generator("cpu", seed)
+        return noised_prototypes(torch.cat(zs), torch.cat(ys), torch.as_tensor(site.units.unit_of), site.units.n_units,
+                                 N_CLASSES, self.cfg.privacy.noise_multiplier, generator)
+
+    # ---------------------------------------------------------- reporting
+    def epsilons(self) -> dict[str, float]:
+        """Each site's epsilon at ``privacy.delta`` after every round it has run (0 before its first)."""
+        return {n: (s.ledger.epsilon() if s.ledger.rounds else 0.0) for n, s in sorted(self.sites.items())}
+
+    def row(self) -> dict:
+        """The history row's privacy entry after a round."""
+        eps = self.epsilons()
+        return {"privacy": {"epsilon": eps, "epsilon_max": max(eps.values()), "delta": self.cfg.privacy.delta}}
+
+    def summary(self) -> dict:
+        """``report.json``'s privacy block (no seed: that stays in the site's checkpoint)."""
+        p = self.cfg.privacy
+        eps = self.epsilons()
+        return {"unit": p.unit, "noise_multiplier": p.noise_multiplier, "clip_norm": p.clip_norm,
+                "sample_rate": p.sample_rate, "delta": p.delta, "target_epsilon": p.target_epsilon,
+                "steps_per_round": {n: s.steps_per_round() for n, s in sorted(self.sites.items())},
+                "units": {n: s.units.n_units for n, s in sorted(self.sites.items())},
+                "epsilon": eps, "epsilon_max": max(eps.values()), "stopped_by_budget": self.stop_reason,
+                "history": [row for s in self.sites.values() for row in s.ledger.history()]}
