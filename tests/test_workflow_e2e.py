@@ -209,7 +209,7 @@ def test_experiments_run_reuse_main_runs_and_recompute_from_their_predictions(wo
     assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(
         snakemake(snakemake_bin, repo, workdir, "-n", "experiments"))
     root = workdir / "results/experiments"
-    for name in ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe"):
+    for name in ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe", "privacy_audit"):
         doc = json.loads((root / f"{name}/{name}.json").read_text())
         assert doc["provenance"]["stage"] == "experiments" and doc["provenance"]["inputs"]
         assert (root / f"{name}/{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
