@@ -192,6 +192,63 @@ def test_a_pre_upload_variant_of_a_method_travels_the_message_path_bitwise(prepa
                        local_flower(variant, "scaffold", tmp_path / "flower"))
 
 
+def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dict, tmp_path: Path):
+    """The cold-start cut: each site's messages go to its long-lived worker (``federation.worker``), a
+    separate process per site, whose replies are the in-process ones bit for bit; the ClientApp side
+    forwards only; the decoded images land in the node-local cache and a restarted worker reads them
+    from there instead of decoding again."""
+    from fedhisto.federation.deploy import Procs, flower_env, worker_cmd
+
+    env = flower_env(tmp_path / "home")
+    procs = Procs(tmp_path / "logs", env)
+    sock = {s: tmp_path / "run" / s / "worker.sock" for s in SITES}
+    cache = {s: tmp_path / "cache" / s for s in SITES}
+
+    def start_workers() -> None:
+        for s in SITES:
+            ready = tmp_path / f"ready_{s}.json"
+            ready.unlink(missing_ok=True)
+            procs.start(f"worker_{s}", worker_cmd(sock[s], s, prepared["manifest"], prepared["descriptors"],
+                                                  cache_dir=cache[s], ready_file=ready))
+        _wait_for(lambda: all((tmp_path / f"ready_{s}.json").exists() for s in SITES), 120, "workers ready")
+
+    def run(out: Path) -> list[dict]:
+        from fedhisto.federation.server import FederatedRun
+        from fedhisto.federation.server_app import GridExchange
+
+        configs = {100 + k: {**nc, "worker": str(sock[nc["site-id"]].resolve()),
+                             "cache-dir": str(cache[nc["site-id"]].resolve())}
+                   for k, nc in enumerate(node_configs(prepared).values())}
+        fed = FederatedRun(load_config_file(prepared["config"]), "past_v2", 11, SITES, out,
+                           prepared["dataset_identity"], str(prepared["descriptors"]))
+        ex = GridExchange(LocalGrid(configs, {}), SITES, 120, 5, {"method": "past_v2", "seed": 11,
+                                                                   "config": fed.cfg_json})
+        ckpt = fed.run(ex)
+        fed.finalise(ex, ckpt)
+        return [h["phases"] for h in ckpt["history"]]
+
+    try:
+        start_workers()
+        phases = run(tmp_path / "flower")
+        worker_pids = {p.pid for name, p in procs.procs.items() if name.startswith("worker_")}
+        for s in SITES:
+            procs.stop(f"worker_{s}")
+        start_workers()  # fresh processes: no in-memory data, the node-local cache instead
+        run(tmp_path / "again")
+    finally:
+        assert procs.stop_all() == []
+    infos = [info for ph in phases for action in ph.values() for info in action["sites"].values()]
+    assert infos and all(i["worker-served"] >= 1 and "worker-fallback" not in i for i in infos)
+    for s in SITES:
+        assert len(list(cache[s].glob("decoded-*.pt"))) == (2 if s == "C1" else 1)  # C1: also validation
+    assert len(worker_pids) == 5 and {int(i["pid"]) for i in infos} == worker_pids  # answered by the workers
+    a = in_process(prepared, "past_v2", tmp_path / "inproc")
+    assert_same_states(a, tmp_path / "flower/checkpoint.pt")
+    assert_same_states(a, tmp_path / "again/checkpoint.pt")
+    assert (tmp_path / "inproc/validation_predictions.csv").read_text() == \
+        (tmp_path / "flower/validation_predictions.csv").read_text()
+
+
 def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp_path: Path):
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange
@@ -207,7 +264,7 @@ def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp
 
 
 def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: dict, tmp_path: Path, monkeypatch):
-    import fedhisto.federation.client_app as client_app
+    import fedhisto.federation.handlers as handlers
     from fedhisto.code_identity import identity_strings
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange
@@ -220,7 +277,7 @@ def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: 
         site = next(f.frame.f_locals["site"] for f in inspect.stack() if "site" in f.frame.f_locals)
         return {**real, "source_digest": "0" * 64} if site.sc.site == "C3" else real
 
-    monkeypatch.setattr(client_app, "identity_strings", code_of_this_site)
+    monkeypatch.setattr(handlers, "identity_strings", code_of_this_site)
     fed = FederatedRun(load_config_file(prepared["config"]), "fedavg_peft", 11, SITES, tmp_path,
                        prepared["dataset_identity"], str(prepared["descriptors"]))
     ex = GridExchange(LocalGrid(node_configs(prepared), {}), SITES, 60, 5,

@@ -91,7 +91,9 @@ class FederatedRun:
         replies, unavailable = ex.send(action, contents, r)
         traffic[action] = {"s": round(time.perf_counter() - t0, 3),
                            "down_bytes": sum(payload_bytes(rd) for rd in contents.values()),
-                           "up_bytes": sum(payload_bytes(rd) for rd in replies.values())}
+                           "up_bytes": sum(payload_bytes(rd) for rd in replies.values()),
+                           # per site: seconds in the handler, and (with a worker) the forwarding round trip
+                           "sites": {s: dict(rd["info"]) for s, rd in sorted(replies.items()) if "info" in rd}}
         ok = {}
         for site, rd in replies.items():
             if "error" in rd:

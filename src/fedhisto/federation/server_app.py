@@ -55,12 +55,33 @@ def dump_audit(log_dir: str) -> None:
 
 class GridExchange:
     """``Exchange`` over a Flower Grid: one message per site, replies mapped back by message id
-    (SuperLink-made error replies, e.g. NODE_UNAVAILABLE, carry ``src_node_id`` 0)."""
+    (SuperLink-made error replies, e.g. NODE_UNAVAILABLE, carry ``src_node_id`` 0).
 
-    def __init__(self, grid: Grid, sites: list[str], timeout: float, wait_nodes: float, run_base: dict):
+    Replies are collected by pushing the messages, then pulling every ``poll`` seconds (default 0.2):
+    Flower 1.42's ``Grid.send_and_receive`` sleeps a fixed 3 s between pulls
+    (``flwr/superlink/grid/http_grid.py``), so a reply that arrives just after a pull waits up to 3 s.
+    ``poll=None`` uses ``send_and_receive`` as before (and a Grid without push/pull, e.g. a test's)."""
+
+    def __init__(self, grid: Grid, sites: list[str], timeout: float, wait_nodes: float, run_base: dict,
+                 poll: float | None = 0.2):
         self.grid, self.sites, self.timeout, self.wait_nodes = grid, sites, timeout, wait_nodes
         self.run_base = run_base
+        self.poll = poll if poll and hasattr(grid, "push_messages") and hasattr(grid, "pull_messages") else None
         self.site_to_node: dict[str, int] = {}
+        self.reply_info: dict[str, dict] = {}  # the last reply's ``info`` record per site (timings, worker)
+
+    def _send_and_receive(self, messages: list[Message]) -> list[Message]:
+        if self.poll is None:
+            return list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        ids = set(self.grid.push_messages(messages))
+        end, out = time.time() + self.timeout, []
+        while ids and time.time() < end:
+            got = list(self.grid.pull_messages(ids))
+            out += got
+            ids -= {m.metadata.reply_to_message_id for m in got}
+            if ids:
+                time.sleep(self.poll)
+        return out
 
     def discover(self) -> dict[str, int]:
         """Map sites to node ids: registered names first; nameless nodes answer one ``query``."""
@@ -76,7 +97,7 @@ class GridExchange:
         if unnamed and len(named) < len(self.sites):
             msgs = [Message(RecordDict({"run": ConfigRecord({**self.run_base, "site": "", "round": -1, "k": -1})}),
                             dst_node_id=nid, message_type="query") for nid in unnamed]
-            for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
+            for reply in self._send_and_receive(msgs):
                 if not reply.has_error() and "site" in reply.content:
                     site = str(reply.content["site"]["site-id"])
                     if site in self.site_to_node and self.site_to_node[site] != reply.metadata.src_node_id:
@@ -90,7 +111,7 @@ class GridExchange:
         unavailable = {s: "no SuperNode for this site is connected" for s in contents if s not in self.site_to_node}
         msgs = {s: Message(rd, dst_node_id=self.site_to_node[s], message_type=action, group_id=str(round_idx + 1))
                 for s, rd in contents.items() if s in self.site_to_node}
-        replies = list(self.grid.send_and_receive(list(msgs.values()), timeout=self.timeout)) if msgs else []
+        replies = self._send_and_receive(list(msgs.values())) if msgs else []
         by_id = {m.metadata.message_id: s for s, m in msgs.items()}
         got: dict[str, RecordDict] = {}
         for reply in replies:
@@ -101,6 +122,11 @@ class GridExchange:
                 unavailable[site] = f"Flower error {reply.error.code}: {reply.error.reason}"[:500]
             else:
                 got[site] = reply.content
+                if "info" in reply.content:
+                    self.reply_info[site] = dict(reply.content["info"])
+                    if "worker-fallback" in self.reply_info[site]:
+                        log.warning("site %s handled %s without its worker: %s", site, action,
+                                    self.reply_info[site]["worker-fallback"])
         for s in msgs:
             if s not in got and s not in unavailable:
                 unavailable[s] = f"no reply within {self.timeout:.0f} s"
@@ -126,8 +152,9 @@ def main(grid: Grid, context: Context) -> None:
                        pause_between_rounds=float(rc.get("pause-between-rounds", 0.0)))
     fed.after_round = lambda: dump_audit(log_dir)
     run_base = {"method": fed.method.name, "seed": fed.seed, "config": fed.cfg_json}
+    poll = float(rc.get("poll-interval", 0.2))
     ex = GridExchange(grid, sites, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
-                      run_base)
+                      run_base, poll=poll if poll > 0 else None)
     try:
         ex.discover()
         fed._event(event="discovered", site_to_node={k: str(v) for k, v in ex.site_to_node.items()})

@@ -1,0 +1,171 @@
+"""A site's long-lived worker: the ClientApp hands it each message, so torch, the model and the site's
+decoded images are loaded once per node instead of once per message.
+
+Why: a Flower 1.42 SuperNode starts one ``flwr-clientapp`` process per message (its SuperExec
+launches it; ``flwr/supernode/runtime/run_clientapp.py`` handles exactly one message and exits), and
+a process that imports torch, transformers and peft, builds the encoder and decodes the site's
+images spends seconds before its first useful operation (measured in docs/federation.md). With a
+worker the ClientApp process imports only flwr and this module, forwards the message's RecordDict
+(Flower's own protobuf serialisation) over a Unix socket and returns the worker's reply.
+
+Lifetime: started by ``fedhisto site`` next to the SuperNode (``--worker``, the default) and
+stopped with it: it exits when its parent process ends (``--parent-pid``), on SIGTERM/SIGINT, or
+when told to by nobody else. Isolation: one worker per site; it serves only the node config it
+was started with (a request naming another site, manifest, descriptors or encoder folder is refused
+as an error reply), one message at a time (a SuperNode handles one message at a time anyway); its
+socket lives in a directory only the site's user can enter (mode 0700, socket 0600). It holds the
+same per-process caches a warm Simulation Engine worker holds (``site._MODELS``/``_DATA``) and
+nothing else between messages; every reply is computed by ``handlers.handle``, the function the
+ClientApp calls in-process, so the reply is the same either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+# node-config keys that pin what a worker serves (a request with other values is refused)
+PINNED = ("site-id", "manifest", "descriptors", "encoder-dir", "cache-dir")
+_LEN = struct.Struct(">Q")
+
+
+class WorkerUnavailable(RuntimeError):
+    """The site's worker cannot be reached (not started, died, or its socket is stale)."""
+
+
+def _send(sock: socket.socket, header: dict, body: bytes) -> None:
+    head = json.dumps(header).encode()
+    sock.sendall(_LEN.pack(len(head)) + head + _LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> tuple[dict, bytes]:
+    header = json.loads(_recv_exact(sock, _LEN.unpack(_recv_exact(sock, _LEN.size))[0]))
+    body = _recv_exact(sock, _LEN.unpack(_recv_exact(sock, _LEN.size))[0])
+    return header, body
+
+
+# ------------------------------------------------------------------ the ClientApp's side
+def call(socket_path: str, action: str, content: bytes, node_config: dict, run_config: dict,
+         timeout: float | None = None) -> tuple[bytes, dict]:
+    """Hand one message (serialised RecordDict) to the worker; returns (reply bytes, worker header)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(socket_path)
+        except OSError as exc:
+            raise WorkerUnavailable(f"no site worker at {socket_path}: {exc}") from exc
+        _send(sock, {"action": action, "node_config": node_config, "run_config": run_config}, content)
+        try:
+            header, body = _recv(sock)
+        except (OSError, ConnectionError, ValueError) as exc:
+            raise WorkerUnavailable(f"the site worker at {socket_path} did not answer: {exc}") from exc
+    finally:
+        sock.close()
+    return body, header
+
+
+# ------------------------------------------------------------------ the worker
+def _pinned(node_config: dict) -> dict[str, str]:
+    return {k: str(node_config.get(k, "")) for k in PINNED}
+
+
+def _watch_parent(parent_pid: int, on_exit) -> None:
+    def loop() -> None:
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                on_exit()
+                return
+            if os.getppid() != parent_pid:  # reparented: the parent is gone
+                on_exit()
+                return
+            time.sleep(1.0)
+
+    threading.Thread(target=loop, daemon=True, name="parent-watch").start()
+
+
+def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, ready_file: str | None = None) -> None:
+    """Answer messages on ``socket_path`` until the parent ends or a signal arrives."""
+    from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    from fedhisto.federation.handlers import handle  # torch, peft, the model code: once, here
+
+    path = Path(socket_path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.parent.chmod(0o700)
+    if path.exists() or path.is_socket():
+        path.unlink()  # a dead worker's socket; this worker replaces whatever held the path
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    path.chmod(0o600)
+    server.listen(4)
+    pinned = _pinned(node_config)
+
+    def stop(*_args) -> None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    if parent_pid:
+        _watch_parent(parent_pid, stop)
+    if ready_file:
+        Path(ready_file).write_text(json.dumps({"pid": os.getpid(), "socket": str(path)}))
+    served = 0
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            try:
+                header, body = _recv(conn)
+            except (OSError, ConnectionError, ValueError):
+                continue
+            t0 = time.perf_counter()
+            theirs = _pinned(header.get("node_config", {}))
+            if theirs != pinned:
+                differ = sorted(k for k in PINNED if theirs[k] != pinned[k])
+                _send(conn, {"refused": f"this worker serves site {pinned['site-id']} with its own node config; "
+                                        f"the request differs in {', '.join(differ)}"}, b"")
+                continue
+            content = recorddict_from_proto(ProtoRecordDict.FromString(body))
+            reply = handle(str(header["action"]), content, dict(header["node_config"]), dict(header["run_config"]))
+            served += 1
+            _send(conn, {"served": served, "pid": os.getpid(), "worker_s": round(time.perf_counter() - t0, 4)},
+                  recorddict_to_proto(reply).SerializeToString())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="a site's long-lived message worker (started by `fedhisto site`)")
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--node-config", required=True, help="JSON object: the SuperNode's node config")
+    ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--ready-file", default=None)
+    args = ap.parse_args(argv)
+    serve(args.socket, json.loads(args.node_config), args.parent_pid, args.ready_file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
