@@ -249,6 +249,60 @@ def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dic
         (tmp_path / "flower/validation_predictions.csv").read_text()
 
 
+def test_federated_evaluation_equals_central_predict_and_metrics_and_counts_refuse_what_they_cannot_give(
+        prepared: dict, tmp_path: Path):
+    """Test set, holdouts and external cohort scored at the sites that hold them: the prediction files are
+    the central predict stage's byte for byte, so metrics (and the bootstrap) are too; a site that opts
+    out of rows returns counts, from which the count-computable metrics equal the per-image ones and
+    AUROC, the ensemble and the bootstrap are refused naming it."""
+    from fedhisto.evaluation import classification_metrics
+    from fedhisto.federation.evaluate import CountsOnly, EvalTarget, cohort_metrics, require_rows
+    from fedhisto.federation.server import FederatedRun
+    from fedhisto.federation.server_app import GridExchange
+    from fedhisto.metrics import run_metrics
+    from fedhisto.predict import run_predict
+    from fedhisto.predictions import read_predictions
+
+    cfg = load_config_file(prepared["config"])
+    train = tmp_path / "train"
+    fed = FederatedRun(cfg, "past_v2", 11, SITES, train, prepared["dataset_identity"], str(prepared["descriptors"]))
+    configs = node_configs(prepared)
+    configs[200] = {"site-id": "TEST", "manifest": str(prepared["manifest"]), "descriptors": str(prepared["descriptors"])}
+    configs[201] = {"site-id": "EXT", "manifest": str(prepared["manifest"]), "descriptors": str(prepared["descriptors"])}
+    ex = GridExchange(LocalGrid(configs, {}), [*SITES, "TEST", "EXT"], 60, 5,
+                      {"method": "past_v2", "seed": 11, "config": fed.cfg_json})
+    ckpt = fed.run(ex)
+    fed.finalise(ex, ckpt)
+    targets = [EvalTarget(s, "holdout") for s in SITES] + [EvalTarget("TEST", "test"), EvalTarget("EXT", "external")]
+    summary = fed.evaluate(ex, ckpt, targets, tmp_path / "fed")
+    assert {c: v["basis"] for c, v in summary.items()} == {"test": "rows", "holdout": "rows", "external": "rows"}
+    run_predict("past_v2", 11, train, prepared["manifest"], prepared["identity"], prepared["descriptors"], cfg,
+                tmp_path / "central")
+    for cohort in ("test", "holdout", "external"):
+        assert (tmp_path / "fed" / f"{cohort}.csv").read_text() == (tmp_path / "central" / f"{cohort}.csv").read_text()
+    for name in ("fed", "central"):
+        run_metrics([("past_v2", 11, str(tmp_path / name), str(train))], cfg, tmp_path / f"metrics_{name}")
+    for table in ("per_run.csv", "summary.csv", "client_level.csv", "ensembles.csv", "subgroups.csv"):
+        assert (tmp_path / "metrics_fed" / table).read_text() == (tmp_path / "metrics_central" / table).read_text()
+
+    configs[201]["report"] = "counts"  # the external site's own opt-out of per-image rows
+    fed.evaluate(ex, ckpt, [EvalTarget("EXT", "external")], tmp_path / "counts")
+    assert not (tmp_path / "counts/external.csv").exists()
+    got = cohort_metrics(tmp_path / "counts", "external", cfg.evaluate.ece_bins)
+    _, y, probs = read_predictions(tmp_path / "central/external.csv")["global"]
+    want = classification_metrics(probs, y, cfg.evaluate.ece_bins)
+    assert got["basis"] == "counts" and got["counts_from"] == ["EXT"] and got["n"] == want["n"] > 0
+    assert got["confusion"] == want["confusion"] and got["per_class"] == want["per_class"]
+    for k in ("accuracy", "balanced_accuracy", "macro_f1"):
+        assert got[k] == want[k], k  # from the same confusion matrix: exact
+    for k in ("nll", "brier", "ece"):  # sums in another order; the rows were written with 8 decimals
+        assert abs(got[k] - want[k]) < 1e-6, (k, got[k], want[k])
+    assert got["macro_auroc"] is None and set(got["not_computable"]) == {"macro_auroc", "macro_auprc"}
+    with pytest.raises(CountsOnly, match=r"bootstrap of external needs per-image rows; site\(s\) EXT returned"):
+        require_rows(tmp_path / "counts", "external", "the paired bootstrap")
+    assert require_rows(tmp_path / "fed", "external", "the paired bootstrap") == tmp_path / "fed/external.csv"
+
+
 def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp_path: Path):
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange

@@ -138,6 +138,8 @@ def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: 
     """``fast_poll``: through ``supernode_poll`` (idle poll capped at FEDHISTO_SUPERNODE_POLL_S, default
     0.2 s, instead of Flower's fixed 3 s)."""
     exe = [sys.executable, "-m", "fedhisto.federation.supernode_poll"] if fast_poll else [flower_bin("flower-supernode")]
+    if fast_poll and worker:  # the SuperExec's flwr-clientapp hands each task to the worker (clientapp_launcher)
+        exe += ["--site-worker", str(Path(worker).resolve())]
     cmd = [*exe, "--superlink", superlink,
            "--node-config", node_config(site, manifest, descriptors, encoder_dir, threads, worker, cache_dir),
            "--host", "127.0.0.1", "--port", str(runtime_port)]  # the SuperNode's local runtime API (one per node)

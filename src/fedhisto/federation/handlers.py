@@ -28,6 +28,7 @@ Every reply has an ``info`` record: the process id and where the message's secon
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
@@ -77,8 +78,8 @@ def train(site: Site, run: dict, content: RecordDict) -> RecordDict:
 def post(site: Site, run: dict, content: RecordDict) -> RecordDict:
     members = get_members(content)
     rd = RecordDict()
-    if run.get("validate"):
-        rd["validation"] = MetricRecord({k: float(v) for k, v in site.validate(members).items()})
+    if run.get("validate"):  # confusion matrices: the server sums them over the sites that hold validation
+        rd["validation-counts"] = ConfigRecord({"json": json.dumps(site.validation_counts(members))})
     if run.get("upload"):
         put_value(rd, "upload", site.upload_after_aggregation(members[str(run["member"])]))
     return rd
@@ -103,10 +104,22 @@ HANDLERS = {"query": hello, "train.pre": pre, "train": train, "evaluate.post": p
             "evaluate.predict": predict_validation, "evaluate.split": evaluate_split}
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; -1 elsewhere): in a per-message ClientApp
+    process, the interpreter start and imports paid before the handler runs."""
+    try:
+        with open("/proc/self/stat") as fh:
+            started = int(fh.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as fh:
+            return float(fh.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
 def handle(action: str, content: RecordDict, node_config: dict, run_config: dict) -> RecordDict:
     """One message; exceptions travel back as an ``error`` record (type, message, traceback)."""
     t0 = time.perf_counter()
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"process_age_s": process_age_s(), "start_unix": time.time()}
     try:
         if action not in HANDLERS:
             raise ValueError(f"unknown message type {action!r}")
@@ -117,5 +130,6 @@ def handle(action: str, content: RecordDict, node_config: dict, run_config: dict
         reply = RecordDict({"error": ConfigRecord({"type": type(exc).__name__, "message": str(exc)[:2000],
                                                    "traceback": traceback.format_exc()[-4000:]})})
     timings["handler_s"] = time.perf_counter() - t0
+    timings["end_unix"] = time.time()
     reply["info"] = ConfigRecord({"pid": os.getpid(), **{k: round(v, 4) for k, v in timings.items()}})
     return reply

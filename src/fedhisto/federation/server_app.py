@@ -37,6 +37,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from fedhisto.config import load_config_file  # noqa: E402
+from fedhisto.federation.evaluate import EvaluationIncomplete  # noqa: E402
 from fedhisto.federation.server import FederatedRun  # noqa: E402
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable  # noqa: E402
 
@@ -133,6 +134,19 @@ class GridExchange:
         return got, unavailable
 
 
+def evaluation_targets(value: str) -> list:
+    """Run config ``evaluate``: ``SITE:split`` items, comma-separated (e.g. ``C1:holdout,TEST:test,EXT:external``)."""
+    from fedhisto.federation.evaluate import EvalTarget
+
+    out = []
+    for item in (x.strip() for x in value.split(",") if x.strip()):
+        site, sep, split = item.partition(":")
+        if not sep:
+            raise ValueError(f"run config evaluate: {item!r} is not SITE:split")
+        out.append(EvalTarget(site, split))
+    return out
+
+
 def _sites(value: str) -> list[str]:
     return sorted(s.strip() for s in str(value).split(",") if s.strip())
 
@@ -153,17 +167,24 @@ def main(grid: Grid, context: Context) -> None:
     fed.after_round = lambda: dump_audit(log_dir)
     run_base = {"method": fed.method.name, "seed": fed.seed, "config": fed.cfg_json}
     poll = float(rc.get("poll-interval", 0.2))
-    ex = GridExchange(grid, sites, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
+    targets = evaluation_targets(str(rc.get("evaluate", "")))
+    reached = sorted({*sites, *fed.eval_sites, *(t.site for t in targets)})
+    ex = GridExchange(grid, reached, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
                       run_base, poll=poll if poll > 0 else None)
     try:
         ex.discover()
         fed._event(event="discovered", site_to_node={k: str(v) for k, v in ex.site_to_node.items()})
         ckpt = fed.run(ex)
         fed.finalise(ex, ckpt)
+        if targets:
+            fed.evaluate(ex, ckpt, targets, str(rc["predictions-dir"]))
         fed._event(event="finished", round=ckpt["round"])
     except (ClientFailure, TooManyUnavailable) as exc:
         fed.fail(exc)
         fed._event(event="failed", error=str(exc)[:2000])
+        raise
+    except EvaluationIncomplete as exc:  # training is done and kept; evaluation names the sites that failed
+        fed._event(event="evaluation_incomplete", failed=exc.failed)
         raise
     except ClientUnavailable as exc:  # the evaluation site is away: the checkpoint stays; run again to resume
         fed._event(event="interrupted", error=str(exc)[:2000])

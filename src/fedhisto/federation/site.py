@@ -58,6 +58,7 @@ class SiteConfig:
     encoder_dir: str = ""
     threads: int = 1
     cache_dir: str = ""
+    report: str = "rows"  # federated evaluation: "rows" (per image) or "counts" (this site's opt-out of rows)
 
     @classmethod
     def from_node_config(cls, node_config: dict, run_config: dict) -> SiteConfig:
@@ -67,7 +68,8 @@ class SiteConfig:
         if "site-id" in node_config:
             return cls(str(node_config["site-id"]), str(node_config.get("manifest", "")),
                        str(node_config.get("descriptors", "")), str(node_config.get("encoder-dir", "")),
-                       int(node_config.get("threads", 1)), str(node_config.get("cache-dir", "")))
+                       int(node_config.get("threads", 1)), str(node_config.get("cache-dir", "")),
+                       str(node_config.get("report", "rows")))
         sites = sorted(s.strip() for s in str(run_config["sites"]).split(",") if s.strip())
         return cls(sites[int(node_config["partition-id"])], str(run_config.get("sim-manifest", "")),
                    str(run_config.get("sim-descriptors", "")), str(run_config.get("encoder-dir", "")),
@@ -164,7 +166,10 @@ class Site:
         self.cfg = self.method.cfg
         self.device = pick_device()
         doc = json.loads(Path(sc.descriptors).read_text()) if self.method.film else None
-        self.descriptors = self.method.descriptors(doc, [sc.site])  # this site's and the centroid ("global")
+        try:
+            self.descriptors = self.method.descriptors(doc, [sc.site])  # this site's and the centroid ("global")
+        except KeyError:  # an evaluation-only site (test / external set): the centroid only
+            self.descriptors = {**self.method.descriptors(doc, []), sc.site: None}
 
     @property
     def data(self) -> Split:
@@ -193,6 +198,37 @@ class Site:
     # ------------------------------------------------------------ evaluation site
     def validation(self) -> Split:
         return load_site_split(self.sc.manifest, None, "validation", self.cfg.views.crop_size, self.sc.cache_dir)
+
+    @property
+    def report(self) -> str:
+        if self.sc.report not in ("rows", "counts"):
+            raise ValueError(f"site {self.sc.site}: node config report={self.sc.report!r} is not rows or counts")
+        return self.sc.report
+
+    def evaluation_split(self, split: str) -> tuple[Split, list[dict]]:
+        """One split this site holds (``holdout``: its own rows; others: every row of the split in its
+        manifest), and each image's client / differentiation / magnification from the manifest."""
+        from fedhisto.federation.evaluate import read_manifest_meta
+
+        who = self.sc.site if split == "holdout" else None
+        data = load_site_split(self.sc.manifest, who, split, self.cfg.views.crop_size, self.sc.cache_dir)
+        meta = read_manifest_meta(self.sc.manifest, who, split)
+        return data, [meta[i] for i in data.ids]
+
+    def validation_counts(self, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, list]:
+        """The confusion matrix of every member on this site's validation rows (early stopping over
+        validation held by several sites sums them)."""
+        import numpy as np
+
+        from fedhisto.evaluation import confusion
+
+        val = self.validation()
+        out = {}
+        for name, state in members.items():
+            self.model.load_trainable_state(state)
+            pred = predict(self.model, val, self.descriptors[GLOBAL], self.cfg, self.device).argmax(1).numpy()
+            out[name] = confusion(np.asarray(val.labels, dtype=int), pred).tolist()
+        return out
 
     def validate(self, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
         """``train.participants.validate_members`` on the validation split, with the centroid descriptor."""

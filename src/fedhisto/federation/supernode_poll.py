@@ -11,6 +11,10 @@ SuperLink (five per second per site at 0.2 s).
 
 The SuperExec the SuperNode launches polls for tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``
 seconds (Flower's own setting, default 1.0); ``deploy.flower_env`` sets it to 0.1.
+
+``--site-worker SOCKET`` (ours, removed before Flower parses the rest): the SuperExec then finds a
+``flwr-clientapp`` first on PATH that hands each task to the site's worker
+(``clientapp_launcher``), so a message costs no new Python + Flower + torch process.
 """
 
 from __future__ import annotations
@@ -41,11 +45,32 @@ def patch(cap: float) -> None:
     loop.time = CappedClock(cap)  # type: ignore[assignment]
 
 
+def use_worker(socket_path: str) -> None:
+    """A ``flwr-clientapp`` first on PATH (for the SuperExec this process starts) that goes to the worker."""
+    from pathlib import Path
+
+    from fedhisto.federation.clientapp_launcher import REAL_VAR, WORKER_VAR
+
+    real = str(Path(sys.executable).parent / "flwr-clientapp")
+    bin_dir = Path(socket_path).resolve().parent / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    launcher = bin_dir / "flwr-clientapp"
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fedhisto.federation.clientapp_launcher "$@"\n')
+    launcher.chmod(0o755)
+    os.environ.update({WORKER_VAR: str(Path(socket_path).resolve()), REAL_VAR: real,
+                       "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"})
+
+
 def main() -> None:
+    argv = sys.argv[1:]
+    if "--site-worker" in argv:
+        i = argv.index("--site-worker")
+        use_worker(argv[i + 1])
+        del argv[i:i + 2]
     patch(float(os.environ.get(POLL_VAR, "0.2")))
     from flwr.supernode.cli import flower_supernode
 
-    sys.argv[0] = "flower-supernode"
+    sys.argv = ["flower-supernode", *argv]
     flower_supernode()
 
 

@@ -85,6 +85,114 @@ def call(socket_path: str, action: str, content: bytes, node_config: dict, run_c
     return body, header
 
 
+def call_task(socket_path: str, args: dict) -> int:
+    """Hand a whole Flower task (token, runtime API address, TLS) to the worker; its exit code."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.connect(socket_path)
+        except OSError as exc:
+            raise WorkerUnavailable(f"no site worker at {socket_path}: {exc}") from exc
+        _send(sock, dict(args), b"")
+        try:
+            header, _ = _recv(sock)
+        except (OSError, ConnectionError, ValueError) as exc:  # the task's token is spent: no second try
+            print(f"fedhisto: the site worker at {socket_path} did not finish the task: {exc}", file=sys.stderr)
+            return 1
+    finally:
+        sock.close()
+    return int(header.get("exit_code", 1))
+
+
+# ------------------------------------------------------------------ a Flower task run in the worker
+def run_task(token: str, runtime_api_address: str, insecure: bool, root_certificates: str | None,
+             pinned: dict[str, str]) -> int:
+    """What ``flwr-clientapp --token`` does for one task (Flower 1.42's
+    ``flwr.supernode.runtime.run_clientapp.run_clientapp``: pull the message and context from the
+    SuperNode's runtime API, run the app, push the reply and the task output, with the task
+    heartbeat running), in this long-lived process and without that function's process-level parts
+    (signal handlers, parent monitor, ``sys.exit``). The app is this package's ClientApp, handled
+    by ``handlers.handle`` here; the FAB the SuperNode hands over must name it, else the task fails.
+    Returns the exit code ``flwr-clientapp`` would have returned."""
+    import tomllib
+
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.common.constant import ErrorCode, SubStatus
+    from flwr.supercore.exit import ExitCode
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supercore.runtime.tracing import RuntimeTracingInterceptor
+    from flwr.supercore.tls import validate_and_resolve_root_certificates
+    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+
+    from fedhisto.federation.handlers import handle
+
+    client = RuntimeHttpClient.from_server_address(
+        server_address=runtime_api_address, insecure=insecure,
+        root_certificates=validate_and_resolve_root_certificates(root_certificates, insecure),
+        interceptors=[RuntimeTracingInterceptor(), RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                      RuntimeTokenHttpInterceptor(token)],
+        retry_invoker=make_simple_http_retry_invoker())
+    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+    message = reply = context = None
+    sub_status, details, code = SubStatus.FAILED, "ClientApp task failed due to unknown reason", ExitCode.SUCCESS
+    marks = {"task_start_unix": time.time()}
+    try:
+        heartbeat.start()
+        message, context, _run, fab = pull_task_input(client)
+        marks["pulled_unix"] = time.time()
+        _check_fab(fab.content, tomllib)
+        theirs = _pinned(dict(context.node_config))
+        if theirs != pinned:
+            raise RuntimeError(f"this worker serves site {pinned['site-id']}; the task's node config differs in "
+                               f"{', '.join(sorted(k for k in PINNED if theirs[k] != pinned[k]))}")
+        content = handle(message.metadata.message_type, message.content, dict(context.node_config),
+                         dict(context.run_config))
+        content["info"]["worker-task"] = 1
+        for k, v in marks.items():
+            content["info"][k] = round(v, 4)
+        reply = Message(content, reply_to=message)
+        sub_status, details = SubStatus.COMPLETED, ""
+    except Exception as exc:
+        details = f"{type(exc)}:<'{exc}'>"
+        if message is not None:
+            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
+        code = ExitCode.TASK_PROC_EXCEPTION
+    finally:
+        try:
+            if reply is not None and context is not None:
+                push_message(client, reply, context)
+        except Exception:
+            code = ExitCode.CLIENTAPP_COMMUNICATION_ERROR
+        t_push = time.time()
+        push_task_output(client=client, context=context, sub_status=sub_status, details=details)
+        if heartbeat.is_running:
+            heartbeat.stop()
+        client.close()
+        print(f"task {message.metadata.message_type if message else '?'}: start {marks['task_start_unix']:.2f} "
+              f"pulled {marks.get('pulled_unix', 0):.2f} pushed {t_push:.2f} done {time.time():.2f}",
+              file=sys.stderr, flush=True)
+    return int(code)
+
+
+def _check_fab(fab_bytes: bytes, tomllib) -> None:
+    """The run's app must be this package's ClientApp (the worker runs nothing else)."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(fab_bytes)) as z:
+        names = sorted((n for n in z.namelist() if n.endswith("pyproject.toml")), key=lambda n: n.count("/"))
+        if not names:
+            raise RuntimeError("the run's app (FAB) has no pyproject.toml")
+        doc = tomllib.loads(z.read(names[0]).decode())
+    comp = doc.get("tool", {}).get("flwr", {}).get("app", {}).get("components", {}).get("clientapp")
+    if comp != "fedhisto.federation.client_app:app":
+        raise RuntimeError(f"this site worker runs only fedhisto's ClientApp, the run's app names {comp!r}")
+
+
 # ------------------------------------------------------------------ the worker
 def _pinned(node_config: dict) -> dict[str, str]:
     return {k: str(node_config.get(k, "")) for k in PINNED}
@@ -144,6 +252,13 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
             except (OSError, ConnectionError, ValueError):
                 continue
             t0 = time.perf_counter()
+            if "token" in header:  # a whole Flower task, handed over by ``clientapp_launcher``
+                served += 1
+                code = run_task(str(header["token"]), str(header["runtime_api_address"]), bool(header["insecure"]),
+                                header.get("root_certificates"), pinned)
+                _send(conn, {"exit_code": code, "served": served, "worker_s": round(time.perf_counter() - t0, 4)},
+                      b"")
+                continue
             theirs = _pinned(header.get("node_config", {}))
             if theirs != pinned:
                 differ = sorted(k for k in PINNED if theirs[k] != pinned[k])
