@@ -51,3 +51,32 @@ class LocalGrid:
                           run_config=self.run_config)
             replies.append(app(m, ctx))
         return replies
+
+
+# five clients and three evaluation sites, each with its own folder (the site-local deployment test)
+SITE_FOLDERS = {"C1": ("site1", 6), "C2": ("site2", 6), "C3": ("site3", 6), "C4": ("site4", 6), "C5": ("site5", 4),
+                "VAL": ("site1", 2), "TEST": ("site2", 2), "EXT": ("external", 2)}  # (rendering style, per class)
+ROLES = {"VAL": "validation", "TEST": "test", "EXT": "external"}
+SITE_LOCAL = {**TINY, "clearance": {"n_features": 100}, "stain": {"max_images_per_client": 6, "min_tissue_pixels": 50}}
+
+
+def render_site_folders(root: Path) -> dict[str, Path]:
+    """One folder per site (``ACA``/``Normal``/``SCC`` below it) of synthetic originals in the site's
+    style; per class 6 images at C1..C4 and 4 at C5 (so every client's holdout, 10 % / 15 %, holds one
+    image per class), 2 at each evaluation site."""
+    from fedhisto import CLASSES
+    from fedhisto.config import SyntheticCohort
+    from fedhisto.synth.cohort import Member, render_original
+
+    cfg = SyntheticCohort(image_size=96, external_image_size=96)
+    key, out = 0, {}
+    for site, (style, n) in SITE_FOLDERS.items():
+        folder = root / f"{site.lower()}_images"
+        for cls in CLASSES:
+            for i in range(n):
+                path = folder / cls / f"{cls.lower()}{i:02d}.jpeg"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(render_original(Member(style, cls, 7000 + key), cfg))
+                key += 1
+        out[site] = folder
+    return out

@@ -5,6 +5,7 @@ restart. Skipped cleanly without flwr (``pip install -e ".[federation]"``)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -504,3 +505,139 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
         assert bad == [], bad
     shutil.rmtree(wd / "flwr_home", ignore_errors=True)
     subprocess.run(["true"])
+
+
+def test_deployment_sites_with_only_their_own_folders_prepare_train_evaluate_at_the_coordinator(tmp_path: Path):
+    """Issue 24's deployment: eight sites (C1..C5 train; VAL, TEST, EXT hold validation, test and the
+    external cohort), each prepared from and started with only its own image folder; the coordinator
+    checks the uploads, trains past_v2 over TLS + SuperNode authentication (site workers, fast polling),
+    has the evaluation done at the sites and computes metrics and the bootstrap from what returns.
+    Reference: the in-process pipeline (train, predict, metrics, bootstrap) on the union of the site
+    manifests, i.e. the same images in the same splits: states, prediction files, every metrics
+    table and the bootstrap are equal. Each site worker opened no image but its own, the ServerApp none."""
+    import yaml
+    from flower_support import ROLES, SITE_FOLDERS, SITE_LOCAL, render_site_folders
+
+    from fedhisto.bootstrap import run_bootstrap
+    from fedhisto.config import load_config
+    from fedhisto.federation.coordinator import check_uploads
+    from fedhisto.federation.localhost import LocalFederation, SiteSpec, wait_run_end
+    from fedhisto.federation.prepare import prepare_site
+    from fedhisto.federation.worker import AUDIT_VAR
+    from fedhisto.metrics import run_metrics
+    from fedhisto.predict import run_predict
+
+    cfg = load_config(SITE_LOCAL)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(SITE_LOCAL))
+    folders = render_site_folders(tmp_path / "data")
+    prepared = {s: tmp_path / "sites" / s for s in SITE_FOLDERS}
+    for s, folder in folders.items():
+        prepare_site(folder, s, prepared[s], cfg, role=ROLES.get(s, "client"))
+    coord = tmp_path / "coordinator"
+    check = check_uploads([prepared[s] / "upload.json" for s in SITE_FOLDERS], cfg, coord)
+    clients = [s for s in SITE_FOLDERS if s not in ROLES]
+    manifests = {s: prepared[s] / "manifest/manifest.csv" for s in SITE_FOLDERS}
+    descriptors = coord / "descriptors.json"
+
+    audits = tmp_path / "audits"
+    audits.mkdir()
+    fed = LocalFederation(tmp_path / "fed", [SiteSpec(s, manifests[s], descriptors) for s in SITE_FOLDERS])
+    fed.env[AUDIT_VAR] = str(audits)
+    out, preds, logs = coord / "train/past_v2/seed11", coord / "predictions/past_v2/seed11", coord / "serverapp"
+    evaluate = ",".join([f"{c}:holdout" for c in clients] + ["TEST:test", "EXT:external"])
+    try:
+        fed.start()
+        fed.run({"method": "past_v2", "seed": 11, "config": str(config), "descriptors": str(descriptors),
+                 "out-dir": str(out), "dataset-identity": check["dataset_identity"], "log-dir": str(logs),
+                 "sites": ",".join(clients), "eval-site": "VAL", "evaluate": evaluate,
+                 "predictions-dir": str(preds), "round-timeout": 300.0})
+        end = wait_run_end(logs, 600)
+    finally:
+        leftover = fed.stop()
+    assert leftover == []
+    assert end["event"] == "finished", _events(logs)[-3:]
+    run_metrics([("past_v2", 11, str(preds), str(out))], cfg, coord / "metrics")
+    comparisons = {"self": {"method": "past_v2", "reference": "past_v2", "ablation": False}}
+    bcfg = cfg.bootstrap.model_copy(update={"resamples": 200, "comparisons": {
+        "self": type(next(iter(cfg.bootstrap.comparisons.values())))(**comparisons["self"])}})
+    ext = str(preds / "external.csv")
+    fed_boot = run_bootstrap("self", [ext], [ext], ([11], [11]), bcfg, coord / "bootstrap/self.json")
+
+    # the central pipeline on the same images and splits: the union of the site manifests
+    central = tmp_path / "central"
+    central.mkdir()
+    rows = [r for s in SITE_FOLDERS for r in csv.DictReader(manifests[s].read_text().splitlines())]
+    with (central / "manifest.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (central / "manifest.json").write_text(json.dumps({"dataset_identity": check["dataset_identity"]}))
+    run_train("past_v2", 11, central / "manifest.csv", central / "manifest.json", descriptors, cfg, central / "train")
+    run_predict("past_v2", 11, central / "train", central / "manifest.csv", central / "manifest.json", descriptors,
+                cfg, central / "predictions")
+    run_metrics([("past_v2", 11, str(central / "predictions"), str(central / "train"))], cfg, central / "metrics")
+    cext = str(central / "predictions/external.csv")
+    central_boot = run_bootstrap("self", [cext], [cext], ([11], [11]), bcfg, central / "bootstrap.json")
+
+    assert_same_states(central / "train/checkpoint.pt", out / "checkpoint.pt")
+    assert (central / "train/validation_predictions.csv").read_text() == (out / "validation_predictions.csv").read_text()
+    for cohort in ("test", "holdout", "external"):
+        assert (central / f"predictions/{cohort}.csv").read_text() == (preds / f"{cohort}.csv").read_text(), cohort
+    for table in ("per_run.csv", "summary.csv", "client_level.csv", "ensembles.csv", "subgroups.csv"):
+        assert (central / f"metrics/{table}").read_text() == (coord / f"metrics/{table}").read_text(), table
+    strip = lambda d: {k: v for k, v in d.items() if k != "provenance"}  # noqa: E731
+    assert json.loads(json.dumps(strip(fed_boot), default=str)) == json.loads(json.dumps(strip(central_boot),
+                                                                                          default=str))
+    ev = json.loads((preds / "evaluation.json").read_text())["cohorts"]
+    assert ev["holdout"] == {"basis": "rows", "sites": dict.fromkeys(clients, "rows")}
+    assert ev["external"]["sites"] == {"EXT": "rows"} and ev["test"]["sites"] == {"TEST": "rows"}
+
+    # file-open audits: a site's worker read images of its own folder only; the ServerApp read none
+    data = os.path.realpath(tmp_path / "data")
+    for s in SITE_FOLDERS:
+        opened = json.loads((audits / f"worker_open_audit.{s}.json").read_text())["opened"]
+        images = {p for p in opened if p.startswith(data)}
+        assert images and all(p.startswith(os.path.realpath(folders[s])) for p in images), (s, sorted(images)[:3])
+        others = [p for p in opened if any(p.startswith(os.path.realpath(prepared[o])) for o in SITE_FOLDERS if o != s)]
+        assert others == [], (s, others[:3])
+    for a in (json.loads(p.read_text()) for p in logs.glob("serverapp_open_audit.*.json")):
+        assert [p for p in a["opened"] if p.lower().endswith(IMAGE_EXTS) or p.startswith(data)] == []
+
+
+def test_a_site_whose_image_fails_to_decode_and_a_site_on_other_descriptors_are_refused_by_name(
+        prepared: dict, tmp_path: Path):
+    """Bad input at training time: C3's manifest lists an image that cannot be decoded (truncated), C2
+    was handed descriptors that are not the run's. Each round names both with the reason (C3's sample
+    id, never its path), aggregates the other three, and the run finalises."""
+    from fedhisto.federation.server import FederatedRun
+    from fedhisto.federation.server_app import GridExchange
+
+    rows = list(csv.DictReader(Path(prepared["manifest"]).read_text().splitlines()))
+    victim = next(r for r in rows if r["client"] == "C3" and r["split"] == "optimisation")
+    broken = tmp_path / "broken.jpeg"
+    data = Path(victim["path"]).read_bytes()
+    broken.write_bytes(data[: len(data) // 2])
+    victim["path"] = str(broken)
+    manifest = tmp_path / "manifest_C3.csv"
+    with manifest.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    doc = json.loads(Path(prepared["descriptors"]).read_text())
+    doc["clients"]["C2"]["standardised"][0] += 0.5
+    other = tmp_path / "descriptors_C2.json"
+    other.write_text(json.dumps(doc))
+    configs = node_configs(prepared)
+    configs[102]["manifest"], configs[101]["descriptors"] = str(manifest), str(other)
+    fed = FederatedRun(load_config_file(prepared["config"]), "past_v2", 11, SITES, tmp_path / "run",
+                       prepared["dataset_identity"], str(prepared["descriptors"]))
+    ex = GridExchange(LocalGrid(configs, {}), SITES, 60, 5, {"method": "past_v2", "seed": 11, "config": fed.cfg_json})
+    ckpt = fed.run(ex)
+    fed.finalise(ex, ckpt)
+    for h in ckpt["history"]:
+        assert set(h["unavailable_clients"]) == {"C2", "C3"} and sorted(h["weights"]) == ["C1", "C4", "C5"]
+        assert h["unavailable_clients"]["C2"] == "refused: site C2: its stain descriptor differs from the run's descriptors"
+        why = h["unavailable_clients"]["C3"]
+        assert f"site C3: image {victim['sample_id']} cannot be decoded" in why and str(broken) not in why
+    assert json.loads((tmp_path / "run/status.json").read_text())["status"] == "finalised"

@@ -146,12 +146,12 @@ def _cmd_site(args: argparse.Namespace) -> int:
     proc = None
     if worker:
         cmd = deploy.worker_cmd(worker, args.site, args.manifest, args.descriptors or "", args.encoder_dir or "",
-                                cache, args.threads, parent_pid=os.getpid())
+                                cache, args.threads, parent_pid=os.getpid(), report=args.report)
         print("+", " ".join(cmd), file=sys.stderr, flush=True)
         proc = subprocess.Popen(cmd, env=env)
     cmd = deploy.supernode_cmd(args.superlink, args.site, args.manifest, args.descriptors or "", args.ca,
                                args.auth_key, args.runtime_port, args.insecure, args.encoder_dir or "", args.threads,
-                               worker=worker, cache_dir=cache, fast_poll=args.fast_poll)
+                               worker=worker, cache_dir=cache, fast_poll=args.fast_poll, report=args.report)
     try:
         return _exec(cmd, env)
     finally:
@@ -169,7 +169,10 @@ def _cmd_federate(args: argparse.Namespace) -> int:
     rc = {"method": args.method, "seed": args.seed, "config": str(Path(args.config).resolve()),
           "descriptors": str(Path(args.descriptors).resolve()), "out-dir": str(out), "dataset-identity": identity,
           "sites": ",".join(args.sites), "eval-site": args.eval_site or "", "log-dir": str(out / "federation"),
-          "round-timeout": float(args.round_timeout), "encoder-dir": args.encoder_dir or ""}
+          "round-timeout": float(args.round_timeout), "encoder-dir": args.encoder_dir or "",
+          "evaluate": ",".join(args.evaluate or []),
+          "predictions-dir": str(Path(args.predictions_dir or f"results/predictions/{args.method}/seed{args.seed}")
+                                 .resolve())}
     home = Path(args.flwr_home).resolve()
     if args.simulation:
         deploy.write_connection(home, "fedhisto", ":local-in-memory:",
@@ -287,6 +290,9 @@ def _federation_parsers(sub) -> None:
                    help="Flower's own SuperNode loop (idle poll 3 s) instead of the 0.2 s one")
     p.add_argument("--run-dir", help="the worker's socket and the decoded-image cache (default .fedhisto-site/SITE)")
     p.add_argument("--cache-dir", help="node-local cache of decoded images (default RUN_DIR/cache)")
+    p.add_argument("--report", choices=("rows", "counts"), default="rows",
+                   help="federated evaluation: per-image prediction rows (default) or, this site's opt-out, "
+                        "confusion counts and calibration bins only")
     connection(p)
     p.set_defaults(func=_cmd_site)
 
@@ -299,7 +305,12 @@ def _federation_parsers(sub) -> None:
     p.add_argument("--manifest-json", default="results/manifest/manifest.json", help="read for its dataset identity")
     p.add_argument("--dataset-identity")
     p.add_argument("--sites", nargs="+", default=["C1", "C2", "C3", "C4", "C5"])
-    p.add_argument("--eval-site", help="the site that holds the validation split (default: the first)")
+    p.add_argument("--eval-site", help="the site(s) holding the validation split, comma-separated (default: the "
+                                       "first site)")
+    p.add_argument("--evaluate", nargs="+", metavar="SITE:SPLIT",
+                   help="after training, score the best state at the sites holding these splits (test, holdout, "
+                        "external), e.g. C1:holdout ... TEST:test EXT:external")
+    p.add_argument("--predictions-dir", help="where --evaluate writes (default results/predictions/METHOD/seedSEED)")
     p.add_argument("--encoder-dir")
     p.add_argument("--round-timeout", type=float, default=900.0)
     p.add_argument("--out")

@@ -113,35 +113,41 @@ def superlink_cmd(port: int, host: str = "127.0.0.1", tls: dict | None = None, d
 
 
 def node_config(site: str, manifest: str | Path, descriptors: str | Path = "", encoder_dir: str = "",
-                threads: int = 1, worker: str | Path = "", cache_dir: str | Path = "") -> str:
+                threads: int = 1, worker: str | Path = "", cache_dir: str | Path = "", report: str = "rows") -> str:
     """The SuperNode's ``--node-config``. ``worker``: the site worker's socket (``federation.worker``);
-    ``cache_dir``: the node-local cache of decoded images (``site.load_site_split``)."""
-    items = node_config_items(site, manifest, descriptors, encoder_dir, worker, cache_dir)
+    ``cache_dir``: the node-local cache of decoded images (``site.load_site_split``); ``report``:
+    ``counts`` is the site's opt-out of per-image evaluation rows (``federation.evaluate``)."""
+    items = node_config_items(site, manifest, descriptors, encoder_dir, worker, cache_dir, report)
     return " ".join(f"{k}='{v}'" for k, v in items.items()) + f" threads={threads}"
 
 
 def node_config_items(site: str, manifest: str | Path, descriptors: str | Path = "", encoder_dir: str = "",
-                      worker: str | Path = "", cache_dir: str | Path = "") -> dict[str, str]:
+                      worker: str | Path = "", cache_dir: str | Path = "", report: str = "rows") -> dict[str, str]:
+    if report not in ("rows", "counts"):
+        raise ValueError(f"site {site}: report {report!r} is not rows or counts")
     items = {"site-id": site, "manifest": str(Path(manifest).resolve()),
              "descriptors": str(Path(descriptors).resolve()) if descriptors else "", "encoder-dir": encoder_dir}
     if worker:
         items["worker"] = str(Path(worker).resolve())
     if cache_dir:
         items["cache-dir"] = str(Path(cache_dir).resolve())
+    if report != "rows":
+        items["report"] = report
     return items
 
 
 def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: str | Path = "",
                   root_certificates: str | Path | None = None, auth_key: str | Path | None = None,
                   runtime_port: int = 9094, insecure: bool = False, encoder_dir: str = "", threads: int = 1,
-                  worker: str | Path = "", cache_dir: str | Path = "", fast_poll: bool = False) -> list[str]:
+                  worker: str | Path = "", cache_dir: str | Path = "", fast_poll: bool = False,
+                  report: str = "rows") -> list[str]:
     """``fast_poll``: through ``supernode_poll`` (idle poll capped at FEDHISTO_SUPERNODE_POLL_S, default
     0.2 s, instead of Flower's fixed 3 s)."""
     exe = [sys.executable, "-m", "fedhisto.federation.supernode_poll"] if fast_poll else [flower_bin("flower-supernode")]
     if fast_poll and worker:  # the SuperExec's flwr-clientapp hands each task to the worker (clientapp_launcher)
         exe += ["--site-worker", str(Path(worker).resolve())]
     cmd = [*exe, "--superlink", superlink,
-           "--node-config", node_config(site, manifest, descriptors, encoder_dir, threads, worker, cache_dir),
+           "--node-config", node_config(site, manifest, descriptors, encoder_dir, threads, worker, cache_dir, report),
            "--host", "127.0.0.1", "--port", str(runtime_port)]  # the SuperNode's local runtime API (one per node)
     if insecure:
         cmd.append("--insecure")
@@ -154,11 +160,11 @@ def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: 
 
 def worker_cmd(socket_path: str | Path, site: str, manifest: str | Path, descriptors: str | Path = "",
                encoder_dir: str = "", cache_dir: str | Path = "", threads: int = 1,
-               parent_pid: int | None = None, ready_file: str | Path | None = None) -> list[str]:
+               parent_pid: int | None = None, ready_file: str | Path | None = None, report: str = "rows") -> list[str]:
     """The site worker (``federation.worker``) for the node config the SuperNode gets."""
     import json
 
-    items = node_config_items(site, manifest, descriptors, encoder_dir, socket_path, cache_dir)
+    items = node_config_items(site, manifest, descriptors, encoder_dir, socket_path, cache_dir, report)
     items["threads"] = threads  # type: ignore[assignment]
     cmd = [sys.executable, "-m", "fedhisto.federation.worker", "--socket", str(Path(socket_path).resolve()),
            "--node-config", json.dumps(items)]

@@ -119,15 +119,16 @@ class FederatedRun:
         self._event(event="received", action=action, round=r + 1, ok=sorted(ok), unavailable=unavailable)
         return ok, unavailable
 
-    def _check_identity(self, site: str, rd: RecordDict, r: int) -> None:
+    def identity_mismatch(self, site: str, rd: RecordDict) -> str | None:
+        """Why a site's reply does not belong to this run (its descriptor or encoder), or None."""
         got = get_value(rd, "descriptor")
         want = self.site_descriptors[site]
         if descriptor_digest({site: got}) != descriptor_digest({site: want}):
-            raise ClientFailure(site, r, RuntimeError("its stain descriptor differs from the run's descriptors"))
+            return f"site {site}: its stain descriptor differs from the run's descriptors"
         digest = str(rd["identity"]["encoder-digest"])
         if digest != self.identity["encoder_digest"]:
-            raise ClientFailure(site, r, RuntimeError(f"its encoder digest {digest[:12]} differs from the run's "
-                                                      f"{self.identity['encoder_digest'][:12]}"))
+            return f"site {site}: its encoder digest {digest[:12]} differs from the run's {self.identity['encoder_digest'][:12]}"
+        return None
 
     # ------------------------------------------------------------------ the run
     def run(self, ex: Exchange) -> dict:
@@ -247,8 +248,12 @@ class FlowerParticipants:
                 log.warning("round %d: %s", r + 1, exc)
                 lost[n] = f"refused: {exc}"
                 del ok[n]
-        for n, rd in ok.items():
-            self.run._check_identity(n, rd, r)
+        for n in list(ok):  # a site on another descriptor or encoder: refused by name, the others go on
+            why = self.run.identity_mismatch(n, ok[n])
+            if why:
+                log.warning("round %d: %s", r + 1, why)
+                lost[n] = f"refused: {why}"
+                del ok[n]
         return {n: LocalResult(record_state(rd["state"]), int(rd["metrics"]["num-examples"]),
                                dict(rd["losses"]), int(rd["metrics"]["steps"])) for n, rd in ok.items()}, lost
 

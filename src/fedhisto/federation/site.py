@@ -95,7 +95,7 @@ def load_site_split(manifest_csv: str, site: str | None, split: str, crop_size: 
                     if r["split"] == split and (site is None or r["client"] == site)]
             rows.sort(key=lambda r: r["sample_id"])
             data = Split([r["sample_id"] for r in rows], [CLASSES.index(r["label"]) for r in rows],
-                         [_load(r["path"], 2 * crop_size) for r in rows])
+                         [_decode(r, site, crop_size) for r in rows])
             if cache and len(data):
                 _write_cache(cache, data)
     except OSError as exc:  # the site's data cannot be read: declared unavailability
@@ -104,6 +104,17 @@ def load_site_split(manifest_csv: str, site: str | None, split: str, crop_size: 
         raise ClientUnavailable(f"site {site}: no {split} rows in {manifest_csv}")
     _DATA[key] = data
     return data
+
+
+def _decode(row: dict, site: str | None, crop_size: int) -> object:
+    """One image; a failure names the sample id to the coordinator and the file only in the site's log
+    (a reply never carries a site's paths)."""
+    try:
+        return _load(row["path"], 2 * crop_size)
+    except OSError as exc:
+        log.error("site %s: image %s (%s) cannot be decoded: %s", site, row["sample_id"], row["path"], exc)
+        raise ClientUnavailable(f"site {site}: image {row['sample_id']} cannot be decoded "
+                                f"({type(exc).__name__}; the file is named in the site's log)") from None
 
 
 def _cache_file(cache_dir: str, manifest_bytes: bytes, site: str | None, split: str, crop_size: int) -> tuple[Path, str]:

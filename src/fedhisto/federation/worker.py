@@ -33,8 +33,11 @@ import threading
 import time
 from pathlib import Path
 
+AUDIT_VAR = "FEDHISTO_OPEN_AUDIT"  # a folder: the worker records every path it opens there (tests)
+_OPENED: list[str] = []
+
 # node-config keys that pin what a worker serves (a request with other values is refused)
-PINNED = ("site-id", "manifest", "descriptors", "encoder-dir", "cache-dir")
+PINNED = ("site-id", "manifest", "descriptors", "encoder-dir", "cache-dir", "report")
 _LEN = struct.Struct(">Q")
 
 
@@ -214,8 +217,27 @@ def _watch_parent(parent_pid: int, on_exit) -> None:
     threading.Thread(target=loop, daemon=True, name="parent-watch").start()
 
 
+def _record_opens() -> None:
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and args and isinstance(args[0], str | bytes | os.PathLike) and len(_OPENED) < 200_000:
+            _OPENED.append(os.path.realpath(os.fsdecode(args[0])))
+
+    sys.addaudithook(hook)
+
+
+def _dump_opens(site: str) -> None:
+    folder = os.environ.get(AUDIT_VAR)
+    if folder:
+        path = Path(folder) / f"worker_open_audit.{site}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "site": site, "opened": sorted(set(_OPENED))}))
+        os.replace(tmp, path)
+
+
 def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, ready_file: str | None = None) -> None:
     """Answer messages on ``socket_path`` until the parent ends or a signal arrives."""
+    if os.environ.get(AUDIT_VAR):
+        _record_opens()
     from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
     from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
@@ -256,6 +278,7 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
                 served += 1
                 code = run_task(str(header["token"]), str(header["runtime_api_address"]), bool(header["insecure"]),
                                 header.get("root_certificates"), pinned)
+                _dump_opens(pinned["site-id"])
                 _send(conn, {"exit_code": code, "served": served, "worker_s": round(time.perf_counter() - t0, 4)},
                       b"")
                 continue
@@ -268,6 +291,7 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
             content = recorddict_from_proto(ProtoRecordDict.FromString(body))
             reply = handle(str(header["action"]), content, dict(header["node_config"]), dict(header["run_config"]))
             served += 1
+            _dump_opens(pinned["site-id"])
             _send(conn, {"served": served, "pid": os.getpid(), "worker_s": round(time.perf_counter() - t0, 4)},
                   recorddict_to_proto(reply).SerializeToString())
 
