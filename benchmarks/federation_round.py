@@ -45,12 +45,17 @@ def deployment(prepared: dict, root: Path, fast: bool) -> dict:
                  "dataset-identity": prepared["dataset_identity"], "log-dir": str(logs), "round-timeout": 600.0})
         end = wait_run_end(logs, 900)
         total_s = time.time() - t0
+        cpu = fed.cpu_seconds()
     finally:
         left = fed.stop()
     assert left == [], left
     assert end["event"] == "finished", end
     hist = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["history"]
+    groups = {"superlink (+ ServerApp)": [k for k in cpu if k == "superlink"],
+              "supernodes (+ SuperExec, ClientApp processes)": [k for k in cpu if k.startswith("supernode_")],
+              "site workers": [k for k in cpu if k.startswith("worker_")]}
     return {"ready_s": round(ready_s, 1), "total_s": round(total_s, 1),
+            "cpu_s": {g: round(sum(cpu[k] for k in ks), 1) for g, ks in groups.items()},
             "rounds": [{"round": h["round"], "wall_s": h["wall_s"],
                         "phases": {a: {"s": v["s"], "sites": v.get("sites", {})} for a, v in h["phases"].items()}}
                        for h in hist]}
@@ -92,6 +97,10 @@ def main() -> None:
             ratio = h["wall_s"] / inproc[h["round"] - 1]
             cells.append(f"{h['wall_s']:.1f} s ({ratio:.1f}x; {ph})")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    for name in ("flower_default", "fedhisto_fast"):
+        if name in figures:
+            print(f"\n{name}: start-up {figures[name]['ready_s']} s, start to finish {figures[name]['total_s']} s, "
+                  f"CPU seconds {figures[name]['cpu_s']}")
     for name in ("flower_default", "fedhisto_fast"):
         if name not in figures:
             continue

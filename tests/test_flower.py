@@ -641,3 +641,38 @@ def test_a_site_whose_image_fails_to_decode_and_a_site_on_other_descriptors_are_
         why = h["unavailable_clients"]["C3"]
         assert f"site C3: image {victim['sample_id']} cannot be decoded" in why and str(broken) not in why
     assert json.loads((tmp_path / "run/status.json").read_text())["status"] == "finalised"
+
+
+def test_fedhisto_site_starts_the_worker_and_a_supernode_that_hands_it_its_tasks(tmp_path: Path, monkeypatch):
+    """``fedhisto site``: the worker gets the node config the SuperNode gets, ends with the command, and
+    the SuperNode goes through ``supernode_poll`` with ``--site-worker``; ``--no-worker`` is Flower's own."""
+    import fedhisto.cli as cli
+
+    started, ran = [], []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None):
+            started.append(cmd)
+
+        def terminate(self):
+            started.append("terminated")
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr("subprocess.Popen", FakePopen)
+    monkeypatch.setattr(cli, "_exec", lambda cmd, env=None: ran.append(cmd) or 0)
+    base = ["site", "--site", "C3", "--manifest", str(tmp_path / "m.csv"), "--insecure",
+            "--run-dir", str(tmp_path / "run"), "--flwr-home", str(tmp_path / "home")]
+    assert cli.main([*base, "--report", "counts"]) == 0
+    worker, supernode = started[0], ran[0]
+    assert worker[1:3] == ["-m", "fedhisto.federation.worker"] and started[1] == "terminated"
+    node_config = json.loads(worker[worker.index("--node-config") + 1])
+    assert node_config["worker"] == str((tmp_path / "run/worker.sock").resolve()) and node_config["report"] == "counts"
+    assert supernode[1:5] == ["-m", "fedhisto.federation.supernode_poll", "--site-worker", node_config["worker"]]
+    nc = supernode[supernode.index("--node-config") + 1]
+    assert f"worker='{node_config['worker']}'" in nc and "report='counts'" in nc
+    started.clear()
+    ran.clear()
+    assert cli.main([*base, "--no-worker", "--no-fast-poll"]) == 0
+    assert started == [] and ran[0][0].endswith("flower-supernode") and "worker=" not in " ".join(ran[0])

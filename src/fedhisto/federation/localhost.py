@@ -12,6 +12,7 @@ against.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,24 @@ class LocalFederation:
         rc = {**run_config, "poll-interval": 0.2 if self.fast else 0.0}
         flwr_cli(["run", str(APP_DIR), "lab", "--run-config", run_config_arg(rc), "--format", "json"], self.env,
                  cwd=self.root)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of each started process with its descendants (Linux
+        /proc; children already reaped are counted in their parent's cutime/cstime)."""
+        from fedhisto.federation.deploy import descendants
+
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def cpu(pid: int) -> float:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    f = fh.read().rsplit(")", 1)[1].split()
+                return sum(int(x) for x in f[11:15]) / tick  # utime, stime, cutime, cstime
+            except (OSError, ValueError, IndexError):
+                return 0.0
+
+        return {name: round(cpu(p.pid) + sum(cpu(k) for k in descendants(p.pid)), 1)
+                for name, p in self.procs.procs.items()}
 
     def stop(self) -> list[int]:
         return self.procs.stop_all()
