@@ -32,6 +32,7 @@ def dispatch(action: str, content: RecordDict, node_config: dict, run_config: di
     from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
     from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
+    from fedhisto.federation.envelope import annotate
     from fedhisto.federation.worker import WorkerUnavailable, call
 
     t0 = time.perf_counter()
@@ -39,16 +40,12 @@ def dispatch(action: str, content: RecordDict, node_config: dict, run_config: di
         body, header = call(socket_path, action, recorddict_to_proto(content).SerializeToString(), node_config,
                             run_config)
     except WorkerUnavailable as exc:
-        reply = _handle_here(action, content, node_config, run_config)
-        reply["info"]["worker-fallback"] = str(exc)[:500]
-        return reply
+        return annotate(_handle_here(action, content, node_config, run_config), **{"worker-fallback": str(exc)[:500]})
     if "refused" in header:
         return RecordDict({"error": ConfigRecord({"type": "WorkerRefused", "message": str(header["refused"]),
                                                   "traceback": ""})})
     reply = recorddict_from_proto(ProtoRecordDict.FromString(body))
-    reply["info"]["worker-served"] = int(header["served"])
-    reply["info"]["forward_s"] = round(time.perf_counter() - t0, 4)
-    return reply
+    return annotate(reply, **{"worker-served": int(header["served"]), "forward_s": round(time.perf_counter() - t0, 4)})
 
 
 def _reply(msg: Message, context: Context) -> Message:

@@ -36,6 +36,7 @@ import traceback
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from fedhisto.code_identity import identity_strings
+from fedhisto.federation.envelope import is_sealed, seal, unseal
 from fedhisto.federation.records import get_members, get_payload, put_value, record_state, state_record
 from fedhisto.federation.site import Site, SiteConfig
 
@@ -117,7 +118,10 @@ def process_age_s() -> float:
 
 
 def handle(action: str, content: RecordDict, node_config: dict, run_config: dict) -> RecordDict:
-    """One message; exceptions travel back as an ``error`` record (type, message, traceback)."""
+    """One message; exceptions travel back as an ``error`` record (type, message, traceback). A sealed
+    request (``records.seal``) gets a sealed reply."""
+    if is_sealed(content):
+        return seal(handle(action, unseal(content), node_config, run_config))
     t0 = time.perf_counter()
     timings: dict[str, float] = {"process_age_s": process_age_s(), "start_unix": time.time()}
     try:

@@ -154,3 +154,4 @@ def payload_bytes(rd: RecordDict) -> int:
     """Bytes of the tensors in a RecordDict (for the per-round traffic in the history)."""
     return sum(int(arr.numpy().nbytes) for rec in rd.array_records.values() for key, arr in rec.items()
                if key != LAYOUT)
+

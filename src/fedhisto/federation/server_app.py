@@ -37,6 +37,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from fedhisto.config import load_config_file  # noqa: E402
+from fedhisto.federation.envelope import seal, unseal  # noqa: E402
 from fedhisto.federation.evaluate import EvaluationIncomplete  # noqa: E402
 from fedhisto.federation.server import FederatedRun  # noqa: E402
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable  # noqa: E402
@@ -64,8 +65,9 @@ class GridExchange:
     ``poll=None`` uses ``send_and_receive`` as before (and a Grid without push/pull, e.g. a test's)."""
 
     def __init__(self, grid: Grid, sites: list[str], timeout: float, wait_nodes: float, run_base: dict,
-                 poll: float | None = 0.2):
+                 poll: float | None = 0.2, sealed: bool = True):
         self.grid, self.sites, self.timeout, self.wait_nodes = grid, sites, timeout, wait_nodes
+        self.sealed = sealed  # each message's content travels as one array (records.seal)
         self.run_base = run_base
         self.poll = poll if poll and hasattr(grid, "push_messages") and hasattr(grid, "pull_messages") else None
         self.site_to_node: dict[str, int] = {}
@@ -110,7 +112,8 @@ class GridExchange:
         if len(self.site_to_node) < len(self.sites):
             self.discover()
         unavailable = {s: "no SuperNode for this site is connected" for s in contents if s not in self.site_to_node}
-        msgs = {s: Message(rd, dst_node_id=self.site_to_node[s], message_type=action, group_id=str(round_idx + 1))
+        msgs = {s: Message(seal(rd) if self.sealed else rd, dst_node_id=self.site_to_node[s], message_type=action,
+                           group_id=str(round_idx + 1))
                 for s, rd in contents.items() if s in self.site_to_node}
         replies = self._send_and_receive(list(msgs.values())) if msgs else []
         by_id = {m.metadata.message_id: s for s, m in msgs.items()}
@@ -122,9 +125,9 @@ class GridExchange:
             if reply.has_error():  # NODE_UNAVAILABLE, or the ClientApp could not even start
                 unavailable[site] = f"Flower error {reply.error.code}: {reply.error.reason}"[:500]
             else:
-                got[site] = reply.content
-                if "info" in reply.content:
-                    self.reply_info[site] = dict(reply.content["info"])
+                got[site] = unseal(reply.content)
+                if "info" in got[site]:
+                    self.reply_info[site] = dict(got[site]["info"])
                     if "worker-fallback" in self.reply_info[site]:
                         log.warning("site %s handled %s without its worker: %s", site, action,
                                     self.reply_info[site]["worker-fallback"])
@@ -170,7 +173,7 @@ def main(grid: Grid, context: Context) -> None:
     targets = evaluation_targets(str(rc.get("evaluate", "")))
     reached = sorted({*sites, *fed.eval_sites, *(t.site for t in targets)})
     ex = GridExchange(grid, reached, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
-                      run_base, poll=poll if poll > 0 else None)
+                      run_base, poll=poll if poll > 0 else None, sealed=bool(rc.get("sealed", True)))
     try:
         ex.discover()
         fed._event(event="discovered", site_to_node={k: str(v) for k, v in ex.site_to_node.items()})

@@ -131,6 +131,7 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
     from flwr.supercore.tls import validate_and_resolve_root_certificates
     from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
+    from fedhisto.federation.envelope import annotate
     from fedhisto.federation.handlers import handle
 
     client = RuntimeHttpClient.from_server_address(
@@ -154,9 +155,7 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
                                f"{', '.join(sorted(k for k in PINNED if theirs[k] != pinned[k]))}")
         content = handle(message.metadata.message_type, message.content, dict(context.node_config),
                          dict(context.run_config))
-        content["info"]["worker-task"] = 1
-        for k, v in marks.items():
-            content["info"][k] = round(v, 4)
+        content = annotate(content, **{"worker-task": 1}, **{k: round(v, 4) for k, v in marks.items()})
         reply = Message(content, reply_to=message)
         sub_status, details = SubStatus.COMPLETED, ""
     except Exception as exc:
