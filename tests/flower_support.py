@@ -54,16 +54,18 @@ class LocalGrid:
 
 
 # five clients and three evaluation sites, each with its own folder (the site-local deployment test)
-SITE_FOLDERS = {"C1": ("site1", 6), "C2": ("site2", 6), "C3": ("site3", 6), "C4": ("site4", 6), "C5": ("site5", 4),
-                "VAL": ("site1", 2), "TEST": ("site2", 2), "EXT": ("external", 2)}  # (rendering style, per class)
+SITE_FOLDERS = {"C1": ("site1", 3), "C2": ("site2", 3), "C3": ("site3", 3), "C4": ("site4", 3), "C5": ("site5", 3),
+                "VAL": ("site1", 2), "TEST": ("site2", 1), "EXT": ("external", 1)}  # (rendering style, per class)
 ROLES = {"VAL": "validation", "TEST": "test", "EXT": "external"}
-SITE_LOCAL = {**TINY, "clearance": {"n_features": 100}, "stain": {"max_images_per_client": 6, "min_tissue_pixels": 50}}
+SITE_LOCAL = {**TINY, "clearance": {"n_features": 100}, "stain": {"max_images_per_client": 6, "min_tissue_pixels": 50},
+              # a third of each client's 3 images per class is its holdout: one per class, two to train on
+              "manifest": {"holdout_fraction": dict.fromkeys(("C1", "C2", "C3", "C4", "C5"), 0.34)}}
 
 
 def render_site_folders(root: Path) -> dict[str, Path]:
     """One folder per site (``ACA``/``Normal``/``SCC`` below it) of synthetic originals in the site's
-    style; per class 6 images at C1..C4 and 4 at C5 (so every client's holdout, 10 % / 15 %, holds one
-    image per class), 2 at each evaluation site."""
+    style: per class 3 images at each client (``SITE_LOCAL``'s holdout fraction puts one in its
+    holdout), 2 at the validation site, 1 at the test and external sites."""
     from fedhisto import CLASSES
     from fedhisto.config import SyntheticCohort
     from fedhisto.synth.cohort import Member, render_original

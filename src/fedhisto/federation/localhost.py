@@ -74,10 +74,16 @@ class LocalFederation:
         wait_port(self.port)
 
     def register(self) -> None:
-        for s in self.sites:
-            out = flwr_cli(["supernode", "register", str(self.keys[s.site][1]), "lab", "--name", s.site,
+        """``flwr supernode register`` for every site, concurrently (each is a CLI process start)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(site: str) -> tuple[str, int]:
+            out = flwr_cli(["supernode", "register", str(self.keys[site][1]), "lab", "--name", site,
                             "--format", "json"], self.env)
-            self.node_ids[s.site] = json_out(out)["node-id"]
+            return site, json_out(out)["node-id"]
+
+        with ThreadPoolExecutor(len(self.sites)) as pool:
+            self.node_ids.update(pool.map(one, [s.site for s in self.sites]))
 
     def start_site(self, spec: SiteSpec) -> None:
         run_dir = self.root / "sites" / spec.site
