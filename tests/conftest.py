@@ -42,7 +42,7 @@ def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
     seed, few rounds, a 1-epoch pretrain."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
     cfg["train"].update(methods=["fedavg_peft", "past_v2", "local_only"], seeds=[11], ablations=[],
-                        max_rounds=max_rounds)
+                        comparator_seeds=None, max_rounds=max_rounds)
     cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)
     # every experiment at its smallest: two methods, one seed, one left-out site, two severities
     cfg["experiments"].update(methods=["fedavg_peft", "past_v2"], seeds=[11], resamples=200)

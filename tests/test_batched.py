@@ -48,8 +48,8 @@ def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
 
 
-def round_inputs(name: str):
-    cfg = load_config(CFG)
+def round_inputs(name: str, train: dict | None = None):
+    cfg = load_config({**CFG, "train": {**CFG["train"], **(train or {})}})
     method = build_method(name, cfg)
     torch.manual_seed(0)
     model = FedHistoModel(random_encoder("tiny"), cfg.model, film=method.film)
@@ -79,9 +79,12 @@ def round_inputs(name: str):
     return cfg, method, model, device, jobs
 
 
-@pytest.mark.parametrize("name", method_names())
-def test_batched_round_ends_in_the_sequential_state(name: str):
-    cfg, method, model, device, jobs = round_inputs(name)
+@pytest.mark.parametrize(("name", "train"), [(n, None) for n in method_names()] + [
+    # FedStain's paper protocol trains with Adam (no weight decay), the same update as AdamW without it
+    ("fedstain", {"fedstain": {"protocol": "paper", "paper_batch": 4}})], ids=[*method_names(), "fedstain-paper"])
+def test_batched_round_ends_in_the_sequential_state(name: str, train: dict | None):
+    cfg, method, model, device, jobs = round_inputs(name, train)
+    assert method.local_schedule(ROUND).optimizer == ("adam" if train else "adamw")
     sequential = [local_train(method, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
                               j.round_idx, j.client_idx, device) for j in jobs]
     batched = batched_local_train(method, model, jobs, cfg, device)
@@ -164,12 +167,15 @@ def test_a_round_of_the_loop_with_train_engine_batched_matches_sequential(name: 
                                                                        rel=1e-4)
 
 
-def test_default_engine_leaves_the_run_identity_unchanged():
+def test_sequential_keeps_the_identity_it_had_before_batched_became_the_default():
     from fedhisto.stage_config import training_settings
 
-    assert "engine" not in training_settings(load_config(CFG), "past_v2")
-    batched = load_config({**CFG, "train": {**CFG["train"], "engine": "batched"}})
-    assert training_settings(batched, "past_v2")["engine"] == "batched"
+    # runs made before the default moved were sequential and carry no engine key: they stay valid
+    sequential = load_config({**CFG, "train": {**CFG["train"], "engine": "sequential"}})
+    assert "engine" not in training_settings(sequential, "past_v2")
+    # the batched default trains to other float32 sums and dropout masks: its runs are other runs
+    assert load_config(CFG).train.engine == "batched"
+    assert training_settings(load_config(CFG), "past_v2")["engine"] == "batched"
 
 
 @pytest.mark.parametrize("name", ["fedavg_peft", "past_v2"])

@@ -62,7 +62,8 @@ def real_config(workdir: Path, data: Path, policy: str) -> None:
     cfg["manifest"]["targets"] = TARGETS
     cfg["model"]["pretrain"]["enabled"] = False  # nothing past the manifest is wanted here
     cfg["model"]["encoder"]["require_pretrained"] = False
-    cfg["train"].update(methods=["fedavg_peft"], seeds=[11], ablations=[], max_rounds=1)
+    cfg["train"].update(methods=["fedavg_peft"], seeds=[11], ablations=[], comparator_seeds=None,
+                        max_rounds=1)
     (workdir / "config").mkdir(parents=True)
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(cfg))
 

@@ -13,7 +13,8 @@ from fedhisto.privacy.accountant import SiteAccountant
 from fedhisto.privacy.releases import SENSITIVITY, noised_prototypes, prototype_release, unit_contributions
 from fedhisto.stage_config import stage_block
 
-ONLY_FEDAVG = {"train": {"methods": ["fedavg_peft"], "ablations": [], "seeds": [11], "ablation_seeds": []},
+ONLY_FEDAVG = {"train": {"methods": ["fedavg_peft"], "ablations": [], "seeds": [11], "ablation_seeds": [],
+                         "engine": "sequential"},
                "bootstrap": {"comparisons": {}}}
 
 

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from fedhisto import CLASSES
-from fedhisto.config_base import IF_CHANGED, ConfigError, Seeds, Strict
+from fedhisto.config_base import IF_CHANGED, ConfigError, Seeds, Strict, unless
 from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage imports its block from here)
     ClassName,
     ClearanceConfig,
@@ -73,8 +73,10 @@ class TrainBase(Strict):
     max_unavailable_client_rounds: int = Field(
         5, ge=0, description="declared client unavailabilities tolerated in a run before it counts as failed")
     engine: Literal["sequential", "batched"] = Field(
-        "sequential", json_schema_extra=IF_CHANGED, description="[ours] local training one client after the other, or every client of a round in "
-                                  "one encoder pass (train.batched: same math, dropout masks drawn once for the stack)")
+        "batched", json_schema_extra=unless("sequential"),
+        description="[ours] every client of a round in one encoder pass (train.batched: same math, dropout masks "
+                    "drawn once for the stack; about 3x faster on CPU), or one client after the other (sequential: "
+                    "the engine DP-SGD needs; the identity of runs made before batched became the default)")
     view_pipeline: Literal["host", "device"] = Field(
         "host", json_schema_extra=IF_CHANGED, description="[ours] training views made on the host, or on the device from uint8 images kept there "
                             "(fedhisto.views_device: same draws, pixels within interpolation rounding)")

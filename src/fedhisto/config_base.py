@@ -11,6 +11,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 IF_CHANGED: dict[str, Any] = {"x-identity": "if-changed"}
 
 
+def unless(baseline: Any) -> dict[str, Any]:
+    """``Field(..., json_schema_extra=unless(v))``: the field enters a stage's identity unless it equals
+    ``v``, the value every identity was written under before the field existed. For a default that
+    moved (``train.engine``: sequential, then batched): old identities stay valid for the old value,
+    and runs under the new default get identities of their own (their results differ)."""
+    return {"x-identity": "unless", "x-identity-baseline": baseline}
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -34,12 +42,15 @@ Seeds = Annotated[list[int], AfterValidator(_distinct_seeds)]
 
 
 def identity_dump(model: BaseModel) -> dict[str, Any]:
-    """``model_dump(mode="json")`` without the ``IF_CHANGED`` fields that hold their default."""
+    """``model_dump(mode="json")`` without the ``IF_CHANGED`` fields that hold their default and the
+    ``unless(v)`` fields that hold ``v``."""
     dump = model.model_dump(mode="json")
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        if extra.get("x-identity") == "if-changed" and value == info.get_default(call_default_factory=True):
+        rule = extra.get("x-identity")
+        if (rule == "if-changed" and value == info.get_default(call_default_factory=True)) or (
+                rule == "unless" and dump[name] == extra["x-identity-baseline"]):
             dump.pop(name)
         elif isinstance(value, BaseModel):
             dump[name] = identity_dump(value)

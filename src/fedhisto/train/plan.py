@@ -96,6 +96,9 @@ class LossMeans:
 
 
 def check_optimizer(method: Method, plan: LocalSchedule, supported: tuple[str, ...], engine: str) -> None:
+    # Adam without weight decay is AdamW without weight decay: torch's two updates are the same formula
+    if plan.optimizer == "adam" and plan.weight_decay == 0 and "adamw" in supported:
+        return
     if plan.optimizer not in supported:
         raise NotImplementedError(f"{method.name}: the {engine} engine implements {', '.join(supported)}, this "
                                   f"schedule asks for {plan.optimizer!r}")
