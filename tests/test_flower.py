@@ -670,3 +670,18 @@ def test_fedhisto_site_starts_the_worker_and_a_supernode_that_hands_it_its_tasks
     ran.clear()
     assert cli.main([*base, "--no-worker", "--no-fast-poll"]) == 0
     assert started == [] and ran[0][0].endswith("flower-supernode") and "worker=" not in " ".join(ran[0])
+
+
+def test_a_batched_config_federates_as_the_sequential_engine_with_its_identity(prepared: dict, tmp_path: Path):
+    """Every site trains alone, so the Flower engine is the sequential engine whatever ``train.engine``
+    says; the run identity (and the config the sites get) says sequential, as an old run's does."""
+    from fedhisto.federation.server import FederatedRun
+
+    cfg = load_config_file(prepared["config"])
+    batched = cfg.model_copy(update={"train": cfg.train.model_copy(update={"engine": "batched"})})
+    a = FederatedRun(batched, "fedavg_peft", 11, SITES, tmp_path / "a", prepared["dataset_identity"],
+                     str(prepared["descriptors"]))
+    b = FederatedRun(cfg, "fedavg_peft", 11, SITES, tmp_path / "b", prepared["dataset_identity"],
+                     str(prepared["descriptors"]))
+    assert a.cfg.train.engine == "sequential" and json.loads(a.cfg_json)["train"]["engine"] == "sequential"
+    assert a.identity == b.identity

@@ -41,11 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = os.environ.get(WORKER_VAR, "")
     args = _args(argv)
     if sock and args["token"]:
-        import time
-
         from fedhisto.federation.worker import WorkerUnavailable, call_task
-
-        print(f"fedhisto launcher: start {time.time():.2f}", file=sys.stderr, flush=True)
 
         try:
             return call_task(sock, args)

@@ -67,6 +67,9 @@ class FederatedRun:
                  dataset_identity: str, descriptors_json: str, encoder_dir: str | None = None,
                  eval_site: str | list[str] | None = None, events: Path | None = None,
                  pause_between_rounds: float = 0.0):
+        if cfg.train.engine != "sequential":  # each site trains alone: the sequential engine's math, and identity
+            log.info("train.engine %s: the Flower engine trains each site on its own (sequential)", cfg.train.engine)
+            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"engine": "sequential"})})
         self.cfg, self.seed, self.sites = cfg, seed, sorted(sites)
         self.method = build_method(method_name, cfg)
         check_federable(self.method, self.sites)

@@ -174,9 +174,10 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
         if heartbeat.is_running:
             heartbeat.stop()
         client.close()
+        # one line per task in the worker's log: where its seconds went (unix times)
         print(f"task {message.metadata.message_type if message else '?'}: start {marks['task_start_unix']:.2f} "
-              f"pulled {marks.get('pulled_unix', 0):.2f} pushed {t_push:.2f} done {time.time():.2f}",
-              file=sys.stderr, flush=True)
+              f"pulled {marks.get('pulled_unix', 0):.2f} pushed {t_push:.2f} done {time.time():.2f} "
+              f"exit {int(code)}", file=sys.stderr, flush=True)
     return int(code)
 
 
