@@ -273,27 +273,34 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
                 header, body = _recv(conn)
             except (OSError, ConnectionError, ValueError):
                 continue
-            t0 = time.perf_counter()
-            if "token" in header:  # a whole Flower task, handed over by ``clientapp_launcher``
+            try:  # one bad request (or a caller gone before the reply) never ends the worker
                 served += 1
-                code = run_task(str(header["token"]), str(header["runtime_api_address"]), bool(header["insecure"]),
-                                header.get("root_certificates"), pinned)
-                _dump_opens(pinned["site-id"])
-                _send(conn, {"exit_code": code, "served": served, "worker_s": round(time.perf_counter() - t0, 4)},
-                      b"")
-                continue
-            theirs = _pinned(header.get("node_config", {}))
-            if theirs != pinned:
-                differ = sorted(k for k in PINNED if theirs[k] != pinned[k])
-                _send(conn, {"refused": f"this worker serves site {pinned['site-id']} with its own node config; "
-                                        f"the request differs in {', '.join(differ)}"}, b"")
-                continue
-            content = recorddict_from_proto(ProtoRecordDict.FromString(body))
-            reply = handle(str(header["action"]), content, dict(header["node_config"]), dict(header["run_config"]))
-            served += 1
-            _dump_opens(pinned["site-id"])
-            _send(conn, {"served": served, "pid": os.getpid(), "worker_s": round(time.perf_counter() - t0, 4)},
-                  recorddict_to_proto(reply).SerializeToString())
+                out_header, out_body = _answer(header, body, pinned, served, handle, recorddict_from_proto,
+                                               recorddict_to_proto, ProtoRecordDict)
+            except Exception as exc:
+                out_header, out_body = {"refused": f"site {pinned['site-id']} worker: {type(exc).__name__}: {exc}"}, b""
+            with contextlib.suppress(OSError):
+                _send(conn, out_header, out_body)
+
+
+def _answer(header: dict, body: bytes, pinned: dict, served: int, handle, from_proto, to_proto, proto_cls
+            ) -> tuple[dict, bytes]:
+    t0 = time.perf_counter()
+    if "token" in header:  # a whole Flower task, handed over by ``clientapp_launcher``
+        code = run_task(str(header["token"]), str(header["runtime_api_address"]), bool(header["insecure"]),
+                        header.get("root_certificates"), pinned)
+        _dump_opens(pinned["site-id"])
+        return {"exit_code": code, "served": served, "worker_s": round(time.perf_counter() - t0, 4)}, b""
+    theirs = _pinned(header.get("node_config", {}))
+    if theirs != pinned:
+        differ = sorted(k for k in PINNED if theirs[k] != pinned[k])
+        return {"refused": f"this worker serves site {pinned['site-id']} with its own node config; "
+                           f"the request differs in {', '.join(differ)}"}, b""
+    content = from_proto(proto_cls.FromString(body))
+    reply = handle(str(header["action"]), content, dict(header["node_config"]), dict(header["run_config"]))
+    _dump_opens(pinned["site-id"])
+    return ({"served": served, "pid": os.getpid(), "worker_s": round(time.perf_counter() - t0, 4)},
+            to_proto(reply).SerializeToString())
 
 
 def main(argv: list[str] | None = None) -> None:
