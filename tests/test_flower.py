@@ -231,6 +231,16 @@ def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dic
         start_workers()
         phases = run(tmp_path / "flower")
         worker_pids = {p.pid for name, p in procs.procs.items() if name.startswith("worker_")}
+        from fedhisto.federation.worker import call
+
+        # a worker serves its own node config only, and a garbled request leaves it serving
+        _, refused = call(str(sock["C1"].resolve()), "query", b"", {"site-id": "C2"}, {})
+        assert "serves site C1" in refused["refused"] and "site-id" in refused["refused"]
+        mine = {**node_configs(prepared)[100], "worker": str(sock["C1"].resolve()),
+                "cache-dir": str(cache["C1"].resolve())}
+        _, garbled = call(str(sock["C1"].resolve()), "query", b"\xff\x00garbage", mine, {})
+        assert "site C1 worker:" in garbled["refused"]
+        assert procs.procs["worker_C1"].poll() is None
     finally:
         assert procs.stop_all() == []
     infos = [info for ph in phases for action in ph.values() for info in action["sites"].values()]
