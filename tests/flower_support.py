@@ -9,7 +9,10 @@ from pathlib import Path
 from conftest import prepare_cohort
 
 TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
-        "views": {"crop_size": 48}, "train": {"max_rounds": 2, "patience": 10, "lr": 1e-3}}
+        "views": {"crop_size": 48},
+        # sequential: the in-process reference trains each site alone, as every Flower site does (the
+        # batched engine draws dropout masks once for the stacked clients, so it is not bitwise the same)
+        "train": {"max_rounds": 2, "patience": 10, "lr": 1e-3, "engine": "sequential"}}
 SITES = ["C1", "C2", "C3", "C4", "C5"]
 
 
@@ -51,3 +54,34 @@ class LocalGrid:
                           run_config=self.run_config)
             replies.append(app(m, ctx))
         return replies
+
+
+# five clients and three evaluation sites, each with its own folder (the site-local deployment test)
+SITE_FOLDERS = {"C1": ("site1", 3), "C2": ("site2", 3), "C3": ("site3", 3), "C4": ("site4", 3), "C5": ("site5", 3),
+                "VAL": ("site1", 2), "TEST": ("site2", 1), "EXT": ("external", 1)}  # (rendering style, per class)
+ROLES = {"VAL": "validation", "TEST": "test", "EXT": "external"}
+SITE_LOCAL = {**TINY, "clearance": {"n_features": 100}, "stain": {"max_images_per_client": 6, "min_tissue_pixels": 50},
+              # a third of each client's 3 images per class is its holdout: one per class, two to train on
+              "manifest": {"holdout_fraction": dict.fromkeys(("C1", "C2", "C3", "C4", "C5"), 0.34)}}
+
+
+def render_site_folders(root: Path) -> dict[str, Path]:
+    """One folder per site (``ACA``/``Normal``/``SCC`` below it) of synthetic originals in the site's
+    style: per class 3 images at each client (``SITE_LOCAL``'s holdout fraction puts one in its
+    holdout), 2 at the validation site, 1 at the test and external sites."""
+    from fedhisto import CLASSES
+    from fedhisto.config import SyntheticCohort
+    from fedhisto.synth.cohort import Member, render_original
+
+    cfg = SyntheticCohort(image_size=96, external_image_size=96)
+    key, out = 0, {}
+    for site, (style, n) in SITE_FOLDERS.items():
+        folder = root / f"{site.lower()}_images"
+        for cls in CLASSES:
+            for i in range(n):
+                path = folder / cls / f"{cls.lower()}{i:02d}.jpeg"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(render_original(Member(style, cls, 7000 + key), cfg))
+                key += 1
+        out[site] = folder
+    return out

@@ -5,6 +5,7 @@ restart. Skipped cleanly without flwr (``pip install -e ".[federation]"``)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -192,6 +193,121 @@ def test_a_pre_upload_variant_of_a_method_travels_the_message_path_bitwise(prepa
                        local_flower(variant, "scaffold", tmp_path / "flower"))
 
 
+def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dict, tmp_path: Path):
+    """The cold-start cut: each site's messages go to its long-lived worker (``federation.worker``), a
+    separate process per site, whose replies are the in-process ones bit for bit; the ClientApp side
+    forwards only; the decoded images land in the node-local cache (read back instead of decoding:
+    tests/test_site_cache.py)."""
+    from fedhisto.federation.deploy import Procs, flower_env, worker_cmd
+
+    env = flower_env(tmp_path / "home")
+    procs = Procs(tmp_path / "logs", env)
+    sock = {s: tmp_path / "run" / s / "worker.sock" for s in SITES}
+    cache = {s: tmp_path / "cache" / s for s in SITES}
+
+    def start_workers() -> None:
+        for s in SITES:
+            ready = tmp_path / f"ready_{s}.json"
+            procs.start(f"worker_{s}", worker_cmd(sock[s], s, prepared["manifest"], prepared["descriptors"],
+                                                  cache_dir=cache[s], ready_file=ready))
+        _wait_for(lambda: all((tmp_path / f"ready_{s}.json").exists() for s in SITES), 120, "workers ready")
+
+    def run(out: Path) -> list[dict]:
+        from fedhisto.federation.server import FederatedRun
+        from fedhisto.federation.server_app import GridExchange
+
+        configs = {100 + k: {**nc, "worker": str(sock[nc["site-id"]].resolve()),
+                             "cache-dir": str(cache[nc["site-id"]].resolve())}
+                   for k, nc in enumerate(node_configs(prepared).values())}
+        fed = FederatedRun(load_config_file(prepared["config"]), "past_v2", 11, SITES, out,
+                           prepared["dataset_identity"], str(prepared["descriptors"]))
+        ex = GridExchange(LocalGrid(configs, {}), SITES, 120, 5, {"method": "past_v2", "seed": 11,
+                                                                   "config": fed.cfg_json})
+        ckpt = fed.run(ex)
+        fed.finalise(ex, ckpt)
+        return [h["phases"] for h in ckpt["history"]]
+
+    try:
+        start_workers()
+        phases = run(tmp_path / "flower")
+        worker_pids = {p.pid for name, p in procs.procs.items() if name.startswith("worker_")}
+        from fedhisto.federation.worker import call
+
+        # a worker serves its own node config only, and a garbled request leaves it serving
+        _, refused = call(str(sock["C1"].resolve()), "query", b"", {"site-id": "C2"}, {})
+        assert "serves site C1" in refused["refused"] and "site-id" in refused["refused"]
+        mine = {**node_configs(prepared)[100], "worker": str(sock["C1"].resolve()),
+                "cache-dir": str(cache["C1"].resolve())}
+        _, garbled = call(str(sock["C1"].resolve()), "query", b"\xff\x00garbage", mine, {})
+        assert "site C1 worker:" in garbled["refused"]
+        assert procs.procs["worker_C1"].poll() is None
+    finally:
+        assert procs.stop_all() == []
+    infos = [info for ph in phases for action in ph.values() for info in action["sites"].values()]
+    assert infos and all(i["worker-served"] >= 1 and "worker-fallback" not in i for i in infos)
+    for s in SITES:
+        assert len(list(cache[s].glob("decoded-*.pt"))) == (2 if s == "C1" else 1)  # C1: also validation
+    assert len(worker_pids) == 5 and {int(i["pid"]) for i in infos} == worker_pids  # answered by the workers
+    a = in_process(prepared, "past_v2", tmp_path / "inproc")
+    assert_same_states(a, tmp_path / "flower/checkpoint.pt")
+    assert (tmp_path / "inproc/validation_predictions.csv").read_text() == \
+        (tmp_path / "flower/validation_predictions.csv").read_text()
+
+
+def test_federated_evaluation_equals_central_predict_and_metrics_and_counts_refuse_what_they_cannot_give(
+        prepared: dict, tmp_path: Path):
+    """Test set, holdouts and external cohort scored at the sites that hold them: the prediction files are
+    the central predict stage's byte for byte, so metrics (and the bootstrap) are too; a site that opts
+    out of rows returns counts, from which the count-computable metrics equal the per-image ones and
+    AUROC, the ensemble and the bootstrap are refused naming it."""
+    from fedhisto.evaluation import classification_metrics
+    from fedhisto.federation.evaluate import CountsOnly, EvalTarget, cohort_metrics, require_rows
+    from fedhisto.federation.server import FederatedRun
+    from fedhisto.federation.server_app import GridExchange
+    from fedhisto.metrics import run_metrics
+    from fedhisto.predict import run_predict
+    from fedhisto.predictions import read_predictions
+
+    cfg = load_config_file(prepared["config"])
+    train = tmp_path / "train"
+    fed = FederatedRun(cfg, "past_v2", 11, SITES, train, prepared["dataset_identity"], str(prepared["descriptors"]))
+    configs = node_configs(prepared)
+    configs[200] = {"site-id": "TEST", "manifest": str(prepared["manifest"]), "descriptors": str(prepared["descriptors"])}
+    configs[201] = {"site-id": "EXT", "manifest": str(prepared["manifest"]), "descriptors": str(prepared["descriptors"])}
+    ex = GridExchange(LocalGrid(configs, {}), [*SITES, "TEST", "EXT"], 60, 5,
+                      {"method": "past_v2", "seed": 11, "config": fed.cfg_json})
+    ckpt = fed.run(ex)
+    fed.finalise(ex, ckpt)
+    targets = [EvalTarget(s, "holdout") for s in SITES] + [EvalTarget("TEST", "test"), EvalTarget("EXT", "external")]
+    summary = fed.evaluate(ex, ckpt, targets, tmp_path / "fed")
+    assert {c: v["basis"] for c, v in summary.items()} == {"test": "rows", "holdout": "rows", "external": "rows"}
+    run_predict("past_v2", 11, train, prepared["manifest"], prepared["identity"], prepared["descriptors"], cfg,
+                tmp_path / "central")
+    for cohort in ("test", "holdout", "external"):
+        assert (tmp_path / "fed" / f"{cohort}.csv").read_text() == (tmp_path / "central" / f"{cohort}.csv").read_text()
+    for name in ("fed", "central"):
+        run_metrics([("past_v2", 11, str(tmp_path / name), str(train))], cfg, tmp_path / f"metrics_{name}")
+    for table in ("per_run.csv", "summary.csv", "client_level.csv", "ensembles.csv", "subgroups.csv"):
+        assert (tmp_path / "metrics_fed" / table).read_text() == (tmp_path / "metrics_central" / table).read_text()
+
+    configs[201]["report"] = "counts"  # the external site's own opt-out of per-image rows
+    fed.evaluate(ex, ckpt, [EvalTarget("EXT", "external")], tmp_path / "counts")
+    assert not (tmp_path / "counts/external.csv").exists()
+    got = cohort_metrics(tmp_path / "counts", "external", cfg.evaluate.ece_bins)
+    _, y, probs = read_predictions(tmp_path / "central/external.csv")["global"]
+    want = classification_metrics(probs, y, cfg.evaluate.ece_bins)
+    assert got["basis"] == "counts" and got["counts_from"] == ["EXT"] and got["n"] == want["n"] > 0
+    assert got["confusion"] == want["confusion"] and got["per_class"] == want["per_class"]
+    for k in ("accuracy", "balanced_accuracy", "macro_f1"):
+        assert got[k] == want[k], k  # from the same confusion matrix: exact
+    for k in ("nll", "brier", "ece"):  # sums in another order; the rows were written with 8 decimals
+        assert abs(got[k] - want[k]) < 1e-6, (k, got[k], want[k])
+    assert got["macro_auroc"] is None and set(got["not_computable"]) == {"macro_auroc", "macro_auprc"}
+    with pytest.raises(CountsOnly, match=r"bootstrap of external needs per-image rows; site\(s\) EXT returned"):
+        require_rows(tmp_path / "counts", "external", "the paired bootstrap")
+    assert require_rows(tmp_path / "fed", "external", "the paired bootstrap") == tmp_path / "fed/external.csv"
+
+
 def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp_path: Path):
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange
@@ -207,7 +323,7 @@ def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp
 
 
 def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: dict, tmp_path: Path, monkeypatch):
-    import fedhisto.federation.client_app as client_app
+    import fedhisto.federation.handlers as handlers
     from fedhisto.code_identity import identity_strings
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange
@@ -220,7 +336,7 @@ def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: 
         site = next(f.frame.f_locals["site"] for f in inspect.stack() if "site" in f.frame.f_locals)
         return {**real, "source_digest": "0" * 64} if site.sc.site == "C3" else real
 
-    monkeypatch.setattr(client_app, "identity_strings", code_of_this_site)
+    monkeypatch.setattr(handlers, "identity_strings", code_of_this_site)
     fed = FederatedRun(load_config_file(prepared["config"]), "fedavg_peft", 11, SITES, tmp_path,
                        prepared["dataset_identity"], str(prepared["descriptors"]))
     ex = GridExchange(LocalGrid(node_configs(prepared), {}), SITES, 60, 5,
@@ -393,3 +509,189 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
         assert bad == [], bad
     shutil.rmtree(wd / "flwr_home", ignore_errors=True)
     subprocess.run(["true"])
+
+
+def test_deployment_sites_with_only_their_own_folders_prepare_train_evaluate_at_the_coordinator(tmp_path: Path):
+    """Issue 24's deployment: eight sites (C1..C5 train; VAL, TEST, EXT hold validation, test and the
+    external cohort), each prepared from and started with only its own image folder; the coordinator
+    checks the uploads, trains past_v2 over TLS + SuperNode authentication (site workers, fast polling),
+    has the evaluation done at the sites and computes metrics and the bootstrap from what returns.
+    Reference: the in-process pipeline (train, predict, metrics, bootstrap) on the union of the site
+    manifests, i.e. the same images in the same splits: states, prediction files, every metrics
+    table and the bootstrap are equal. Each site worker opened no image but its own, the ServerApp none."""
+    import yaml
+    from flower_support import ROLES, SITE_FOLDERS, SITE_LOCAL, render_site_folders
+
+    from fedhisto.bootstrap import run_bootstrap
+    from fedhisto.config import load_config
+    from fedhisto.federation.coordinator import check_uploads
+    from fedhisto.federation.localhost import LocalFederation, SiteSpec, wait_run_end
+    from fedhisto.federation.prepare import prepare_site
+    from fedhisto.federation.worker import AUDIT_VAR
+    from fedhisto.metrics import run_metrics
+    from fedhisto.predict import run_predict
+
+    cfg = load_config(SITE_LOCAL)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(SITE_LOCAL))
+    folders = render_site_folders(tmp_path / "data")
+    prepared = {s: tmp_path / "sites" / s for s in SITE_FOLDERS}
+    for s, folder in folders.items():
+        prepare_site(folder, s, prepared[s], cfg, role=ROLES.get(s, "client"))
+    coord = tmp_path / "coordinator"
+    check = check_uploads([prepared[s] / "upload.json" for s in SITE_FOLDERS], cfg, coord)
+    clients = [s for s in SITE_FOLDERS if s not in ROLES]
+    manifests = {s: prepared[s] / "manifest/manifest.csv" for s in SITE_FOLDERS}
+    descriptors = coord / "descriptors.json"
+
+    audits = tmp_path / "audits"
+    audits.mkdir()
+    fed = LocalFederation(tmp_path / "fed", [SiteSpec(s, manifests[s], descriptors) for s in SITE_FOLDERS])
+    fed.env[AUDIT_VAR] = str(audits)
+    out, preds, logs = coord / "train/past_v2/seed11", coord / "predictions/past_v2/seed11", coord / "serverapp"
+    evaluate = ",".join([f"{c}:holdout" for c in clients] + ["TEST:test", "EXT:external"])
+    try:
+        fed.start()
+        fed.run({"method": "past_v2", "seed": 11, "config": str(config), "descriptors": str(descriptors),
+                 "out-dir": str(out), "dataset-identity": check["dataset_identity"], "log-dir": str(logs),
+                 "sites": ",".join(clients), "eval-site": "VAL", "evaluate": evaluate,
+                 "predictions-dir": str(preds), "round-timeout": 300.0})
+        end = wait_run_end(logs, 600)
+    finally:
+        leftover = fed.stop()
+    assert leftover == []
+    assert end["event"] == "finished", _events(logs)[-3:]
+    run_metrics([("past_v2", 11, str(preds), str(out))], cfg, coord / "metrics")
+    comparisons = {"self": {"method": "past_v2", "reference": "past_v2", "ablation": False}}
+    bcfg = cfg.bootstrap.model_copy(update={"resamples": 200, "comparisons": {
+        "self": type(next(iter(cfg.bootstrap.comparisons.values())))(**comparisons["self"])}})
+    ext = str(preds / "external.csv")
+    fed_boot = run_bootstrap("self", [ext], [ext], ([11], [11]), bcfg, coord / "bootstrap/self.json")
+
+    # the central pipeline on the same images and splits: the union of the site manifests
+    central = tmp_path / "central"
+    central.mkdir()
+    rows = [r for s in SITE_FOLDERS for r in csv.DictReader(manifests[s].read_text().splitlines())]
+    with (central / "manifest.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (central / "manifest.json").write_text(json.dumps({"dataset_identity": check["dataset_identity"]}))
+    run_train("past_v2", 11, central / "manifest.csv", central / "manifest.json", descriptors, cfg, central / "train")
+    run_predict("past_v2", 11, central / "train", central / "manifest.csv", central / "manifest.json", descriptors,
+                cfg, central / "predictions")
+    run_metrics([("past_v2", 11, str(central / "predictions"), str(central / "train"))], cfg, central / "metrics")
+    cext = str(central / "predictions/external.csv")
+    central_boot = run_bootstrap("self", [cext], [cext], ([11], [11]), bcfg, central / "bootstrap.json")
+
+    assert_same_states(central / "train/checkpoint.pt", out / "checkpoint.pt")
+    assert (central / "train/validation_predictions.csv").read_text() == (out / "validation_predictions.csv").read_text()
+    for cohort in ("test", "holdout", "external"):
+        assert (central / f"predictions/{cohort}.csv").read_text() == (preds / f"{cohort}.csv").read_text(), cohort
+    for table in ("per_run.csv", "summary.csv", "client_level.csv", "ensembles.csv", "subgroups.csv"):
+        assert (central / f"metrics/{table}").read_text() == (coord / f"metrics/{table}").read_text(), table
+    strip = lambda d: {k: v for k, v in d.items() if k != "provenance"}  # noqa: E731
+    assert json.loads(json.dumps(strip(fed_boot), default=str)) == json.loads(json.dumps(strip(central_boot),
+                                                                                          default=str))
+    ev = json.loads((preds / "evaluation.json").read_text())["cohorts"]
+    assert ev["holdout"] == {"basis": "rows", "sites": dict.fromkeys(clients, "rows")}
+    assert ev["external"]["sites"] == {"EXT": "rows"} and ev["test"]["sites"] == {"TEST": "rows"}
+
+    # file-open audits: a site's worker read images of its own folder only; the ServerApp read none
+    data = os.path.realpath(tmp_path / "data")
+    for s in SITE_FOLDERS:
+        opened = json.loads((audits / f"worker_open_audit.{s}.json").read_text())["opened"]
+        images = {p for p in opened if p.startswith(data)}
+        assert images and all(p.startswith(os.path.realpath(folders[s])) for p in images), (s, sorted(images)[:3])
+        others = [p for p in opened if any(p.startswith(os.path.realpath(prepared[o])) for o in SITE_FOLDERS if o != s)]
+        assert others == [], (s, others[:3])
+    for a in (json.loads(p.read_text()) for p in logs.glob("serverapp_open_audit.*.json")):
+        assert [p for p in a["opened"] if p.lower().endswith(IMAGE_EXTS) or p.startswith(data)] == []
+
+
+def test_a_site_whose_image_fails_to_decode_and_a_site_on_other_descriptors_are_refused_by_name(
+        prepared: dict, tmp_path: Path):
+    """Bad input at training time: C3's manifest lists an image that cannot be decoded (truncated), C2
+    was handed descriptors that are not the run's. Each round names both with the reason (C3's sample
+    id, never its path), aggregates the other three, and the run finalises."""
+    from fedhisto.federation.server import FederatedRun
+    from fedhisto.federation.server_app import GridExchange
+
+    rows = list(csv.DictReader(Path(prepared["manifest"]).read_text().splitlines()))
+    victim = next(r for r in rows if r["client"] == "C3" and r["split"] == "optimisation")
+    broken = tmp_path / "broken.jpeg"
+    data = Path(victim["path"]).read_bytes()
+    broken.write_bytes(data[: len(data) // 2])
+    victim["path"] = str(broken)
+    manifest = tmp_path / "manifest_C3.csv"
+    with manifest.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    doc = json.loads(Path(prepared["descriptors"]).read_text())
+    doc["clients"]["C2"]["standardised"][0] += 0.5
+    other = tmp_path / "descriptors_C2.json"
+    other.write_text(json.dumps(doc))
+    configs = node_configs(prepared)
+    configs[102]["manifest"], configs[101]["descriptors"] = str(manifest), str(other)
+    fed = FederatedRun(load_config_file(prepared["config"]), "past_v2", 11, SITES, tmp_path / "run",
+                       prepared["dataset_identity"], str(prepared["descriptors"]))
+    ex = GridExchange(LocalGrid(configs, {}), SITES, 60, 5, {"method": "past_v2", "seed": 11, "config": fed.cfg_json})
+    ckpt = fed.run(ex)
+    fed.finalise(ex, ckpt)
+    for h in ckpt["history"]:
+        assert set(h["unavailable_clients"]) == {"C2", "C3"} and sorted(h["weights"]) == ["C1", "C4", "C5"]
+        assert h["unavailable_clients"]["C2"] == "refused: site C2: its stain descriptor differs from the run's descriptors"
+        why = h["unavailable_clients"]["C3"]
+        assert f"site C3: image {victim['sample_id']} cannot be decoded" in why and str(broken) not in why
+    assert json.loads((tmp_path / "run/status.json").read_text())["status"] == "finalised"
+
+
+def test_fedhisto_site_starts_the_worker_and_a_supernode_that_hands_it_its_tasks(tmp_path: Path, monkeypatch):
+    """``fedhisto site``: the worker gets the node config the SuperNode gets, ends with the command, and
+    the SuperNode goes through ``supernode_poll`` with ``--site-worker``; ``--no-worker`` is Flower's own."""
+    import fedhisto.cli as cli
+
+    started, ran = [], []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None):
+            started.append(cmd)
+
+        def terminate(self):
+            started.append("terminated")
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr("subprocess.Popen", FakePopen)
+    monkeypatch.setattr(cli, "_exec", lambda cmd, env=None: ran.append(cmd) or 0)
+    base = ["site", "--site", "C3", "--manifest", str(tmp_path / "m.csv"), "--insecure",
+            "--run-dir", str(tmp_path / "run"), "--flwr-home", str(tmp_path / "home")]
+    assert cli.main([*base, "--report", "counts"]) == 0
+    worker, supernode = started[0], ran[0]
+    assert worker[1:3] == ["-m", "fedhisto.federation.worker"] and started[1] == "terminated"
+    node_config = json.loads(worker[worker.index("--node-config") + 1])
+    assert node_config["worker"] == str((tmp_path / "run/worker.sock").resolve()) and node_config["report"] == "counts"
+    assert supernode[1:5] == ["-m", "fedhisto.federation.supernode_poll", "--site-worker", node_config["worker"]]
+    nc = supernode[supernode.index("--node-config") + 1]
+    assert f"worker='{node_config['worker']}'" in nc and "report='counts'" in nc
+    started.clear()
+    ran.clear()
+    assert cli.main([*base, "--no-worker", "--no-fast-poll"]) == 0
+    assert started == [] and ran[0][0].endswith("flower-supernode") and "worker=" not in " ".join(ran[0])
+
+
+def test_a_batched_config_federates_as_the_sequential_engine_with_its_identity(prepared: dict, tmp_path: Path):
+    """Every site trains alone, so the Flower engine is the sequential engine whatever ``train.engine``
+    says; the run identity (and the config the sites get) says sequential, as an old run's does."""
+    from fedhisto.federation.server import FederatedRun
+
+    cfg = load_config_file(prepared["config"])
+    batched = cfg.model_copy(update={"train": cfg.train.model_copy(update={"engine": "batched"})})
+    a = FederatedRun(batched, "fedavg_peft", 11, SITES, tmp_path / "a", prepared["dataset_identity"],
+                     str(prepared["descriptors"]))
+    b = FederatedRun(cfg, "fedavg_peft", 11, SITES, tmp_path / "b", prepared["dataset_identity"],
+                     str(prepared["descriptors"]))
+    assert a.cfg.train.engine == "sequential" and json.loads(a.cfg_json)["train"]["engine"] == "sequential"
+    assert a.identity == b.identity

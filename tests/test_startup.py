@@ -37,3 +37,18 @@ def test_the_flower_client_app_imports_no_unused_heavy_package():
     pytest.importorskip("flwr")
     name = "fedhisto.federation.client_app"
     assert _unused_imports((name,)) == {name: []}
+
+
+@pytest.mark.flower
+def test_the_per_message_processes_import_neither_torch_nor_what_they_do_not_use():
+    """Flower starts one process per message at every site: with a site worker, the ClientApp module
+    only forwards (no torch, no model code) and the launcher the SuperExec starts imports no Flower."""
+    pytest.importorskip("flwr")
+    code = ("import json, sys\nimport fedhisto.federation.clientapp_launcher\n"
+            "launcher = sorted(m for m in ('flwr', 'torch', 'numpy') if m in sys.modules)\n"
+            "import fedhisto.federation.client_app\n"
+            "app = sorted(m for m in ('torch', 'peft', 'transformers', 'sklearn', 'fedhisto.model') if m in sys.modules)\n"
+            "print(json.dumps([launcher, app]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[], []]

@@ -134,10 +134,30 @@ def _connection_env(deploy, args) -> dict:
 
 
 def _cmd_site(args: argparse.Namespace) -> int:
+    """The site's SuperNode and (default) its long-lived worker; the worker ends with this process."""
+    import os
+    import subprocess
+
     deploy = _flower()
+    run_dir = Path(args.run_dir or f".fedhisto-site/{args.site}").resolve()
+    worker = run_dir / "worker.sock" if args.worker else ""
+    cache = Path(args.cache_dir).resolve() if args.cache_dir else (run_dir / "cache" if args.worker else "")
+    env = deploy.flower_env(Path(args.flwr_home).resolve())
+    proc = None
+    if worker:
+        cmd = deploy.worker_cmd(worker, args.site, args.manifest, args.descriptors or "", args.encoder_dir or "",
+                                cache, args.threads, parent_pid=os.getpid(), report=args.report)
+        print("+", " ".join(cmd), file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, env=env)
     cmd = deploy.supernode_cmd(args.superlink, args.site, args.manifest, args.descriptors or "", args.ca,
-                               args.auth_key, args.runtime_port, args.insecure, args.encoder_dir or "", args.threads)
-    return _exec(cmd, deploy.flower_env(Path(args.flwr_home).resolve()))
+                               args.auth_key, args.runtime_port, args.insecure, args.encoder_dir or "", args.threads,
+                               worker=worker, cache_dir=cache, fast_poll=args.fast_poll, report=args.report)
+    try:
+        return _exec(cmd, env)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
 
 
 def _cmd_federate(args: argparse.Namespace) -> int:
@@ -149,7 +169,10 @@ def _cmd_federate(args: argparse.Namespace) -> int:
     rc = {"method": args.method, "seed": args.seed, "config": str(Path(args.config).resolve()),
           "descriptors": str(Path(args.descriptors).resolve()), "out-dir": str(out), "dataset-identity": identity,
           "sites": ",".join(args.sites), "eval-site": args.eval_site or "", "log-dir": str(out / "federation"),
-          "round-timeout": float(args.round_timeout), "encoder-dir": args.encoder_dir or ""}
+          "round-timeout": float(args.round_timeout), "encoder-dir": args.encoder_dir or "",
+          "evaluate": ",".join(args.evaluate or []),
+          "predictions-dir": str(Path(args.predictions_dir or f"results/predictions/{args.method}/seed{args.seed}")
+                                 .resolve())}
     home = Path(args.flwr_home).resolve()
     if args.simulation:
         deploy.write_connection(home, "fedhisto", ":local-in-memory:",
@@ -260,6 +283,16 @@ def _federation_parsers(sub) -> None:
     p.add_argument("--runtime-port", type=int, default=9094, help="local port of the SuperNode (not exposed)")
     p.add_argument("--encoder-dir")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-worker", dest="worker", action="store_false",
+                   help="handle every message in Flower's per-message ClientApp process (slow: imports and "
+                        "decodes per message) instead of this site's long-lived worker")
+    p.add_argument("--no-fast-poll", dest="fast_poll", action="store_false",
+                   help="Flower's own SuperNode loop (idle poll 3 s) instead of the 0.2 s one")
+    p.add_argument("--run-dir", help="the worker's socket and the decoded-image cache (default .fedhisto-site/SITE)")
+    p.add_argument("--cache-dir", help="node-local cache of decoded images (default RUN_DIR/cache)")
+    p.add_argument("--report", choices=("rows", "counts"), default="rows",
+                   help="federated evaluation: per-image prediction rows (default) or, this site's opt-out, "
+                        "confusion counts and calibration bins only")
     connection(p)
     p.set_defaults(func=_cmd_site)
 
@@ -272,7 +305,12 @@ def _federation_parsers(sub) -> None:
     p.add_argument("--manifest-json", default="results/manifest/manifest.json", help="read for its dataset identity")
     p.add_argument("--dataset-identity")
     p.add_argument("--sites", nargs="+", default=["C1", "C2", "C3", "C4", "C5"])
-    p.add_argument("--eval-site", help="the site that holds the validation split (default: the first)")
+    p.add_argument("--eval-site", help="the site(s) holding the validation split, comma-separated (default: the "
+                                       "first site)")
+    p.add_argument("--evaluate", nargs="+", metavar="SITE:SPLIT",
+                   help="after training, score the best state at the sites holding these splits (test, holdout, "
+                        "external), e.g. C1:holdout ... TEST:test EXT:external")
+    p.add_argument("--predictions-dir", help="where --evaluate writes (default results/predictions/METHOD/seedSEED)")
     p.add_argument("--encoder-dir")
     p.add_argument("--round-timeout", type=float, default=900.0)
     p.add_argument("--out")

@@ -113,17 +113,41 @@ def superlink_cmd(port: int, host: str = "127.0.0.1", tls: dict | None = None, d
 
 
 def node_config(site: str, manifest: str | Path, descriptors: str | Path = "", encoder_dir: str = "",
-                threads: int = 1) -> str:
+                threads: int = 1, worker: str | Path = "", cache_dir: str | Path = "", report: str = "rows") -> str:
+    """The SuperNode's ``--node-config``. ``worker``: the site worker's socket (``federation.worker``);
+    ``cache_dir``: the node-local cache of decoded images (``site.load_site_split``); ``report``:
+    ``counts`` is the site's opt-out of per-image evaluation rows (``federation.evaluate``)."""
+    items = node_config_items(site, manifest, descriptors, encoder_dir, worker, cache_dir, report)
+    return " ".join(f"{k}='{v}'" for k, v in items.items()) + f" threads={threads}"
+
+
+def node_config_items(site: str, manifest: str | Path, descriptors: str | Path = "", encoder_dir: str = "",
+                      worker: str | Path = "", cache_dir: str | Path = "", report: str = "rows") -> dict[str, str]:
+    if report not in ("rows", "counts"):
+        raise ValueError(f"site {site}: report {report!r} is not rows or counts")
     items = {"site-id": site, "manifest": str(Path(manifest).resolve()),
              "descriptors": str(Path(descriptors).resolve()) if descriptors else "", "encoder-dir": encoder_dir}
-    return " ".join(f"{k}='{v}'" for k, v in items.items()) + f" threads={threads}"
+    if worker:
+        items["worker"] = str(Path(worker).resolve())
+    if cache_dir:
+        items["cache-dir"] = str(Path(cache_dir).resolve())
+    if report != "rows":
+        items["report"] = report
+    return items
 
 
 def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: str | Path = "",
                   root_certificates: str | Path | None = None, auth_key: str | Path | None = None,
-                  runtime_port: int = 9094, insecure: bool = False, encoder_dir: str = "", threads: int = 1) -> list[str]:
-    cmd = [flower_bin("flower-supernode"), "--superlink", superlink,
-           "--node-config", node_config(site, manifest, descriptors, encoder_dir, threads),
+                  runtime_port: int = 9094, insecure: bool = False, encoder_dir: str = "", threads: int = 1,
+                  worker: str | Path = "", cache_dir: str | Path = "", fast_poll: bool = False,
+                  report: str = "rows") -> list[str]:
+    """``fast_poll``: through ``supernode_poll`` (idle poll capped at FEDHISTO_SUPERNODE_POLL_S, default
+    0.2 s, instead of Flower's fixed 3 s)."""
+    exe = [sys.executable, "-m", "fedhisto.federation.supernode_poll"] if fast_poll else [flower_bin("flower-supernode")]
+    if fast_poll and worker:  # the SuperExec's flwr-clientapp hands each task to the worker (clientapp_launcher)
+        exe += ["--site-worker", str(Path(worker).resolve())]
+    cmd = [*exe, "--superlink", superlink,
+           "--node-config", node_config(site, manifest, descriptors, encoder_dir, threads, worker, cache_dir, report),
            "--host", "127.0.0.1", "--port", str(runtime_port)]  # the SuperNode's local runtime API (one per node)
     if insecure:
         cmd.append("--insecure")
@@ -131,6 +155,23 @@ def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: 
         if not (root_certificates and auth_key):
             raise ValueError("a SuperNode needs --root-certificates and --auth-key unless insecure")
         cmd += ["--root-certificates", str(root_certificates), "--auth-supernode-private-key", str(auth_key)]
+    return cmd
+
+
+def worker_cmd(socket_path: str | Path, site: str, manifest: str | Path, descriptors: str | Path = "",
+               encoder_dir: str = "", cache_dir: str | Path = "", threads: int = 1,
+               parent_pid: int | None = None, ready_file: str | Path | None = None, report: str = "rows") -> list[str]:
+    """The site worker (``federation.worker``) for the node config the SuperNode gets."""
+    import json
+
+    items = node_config_items(site, manifest, descriptors, encoder_dir, socket_path, cache_dir, report)
+    items["threads"] = threads  # type: ignore[assignment]
+    cmd = [sys.executable, "-m", "fedhisto.federation.worker", "--socket", str(Path(socket_path).resolve()),
+           "--node-config", json.dumps(items)]
+    if parent_pid:
+        cmd += ["--parent-pid", str(parent_pid)]
+    if ready_file:
+        cmd += ["--ready-file", str(ready_file)]
     return cmd
 
 
@@ -165,6 +206,8 @@ def flower_env(flwr_home: str | Path, tag: str | None = None, extra: dict | None
     env.update({"FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                 "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "RAY_DISABLE_USAGE_STATS": "1",
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                # the SuperExecs (SuperLink's and each SuperNode's) look for new tasks every 0.1 s, not 1 s
+                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
                 "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}", TAG_VAR: tag or uuid.uuid4().hex})
     env.update(extra or {})
     return env

@@ -8,10 +8,12 @@ kept apart, the atomic checkpoint, resume, the ``ClientUnavailable`` rules) are 
 same code the in-process engines run. ``finalise`` writes what ``train.stage.run_train`` writes, so
 results/train/{method}/seed{seed}/ is the same whichever engine made it.
 
-The server never opens an image: validation is computed by the *evaluation site* (run config
-``eval-site``, default the first site), which holds the validation split and returns its macro-F1
-(the same ``validate_members`` as the in-process engine) and, at the end, the validation
-probabilities of the best state.
+The server never opens an image: validation is computed by the *evaluation sites* (run config
+``eval-site``, a comma list, default the first site), which hold the validation split (or parts of
+it) and return per member the confusion matrix of their validation rows; the server's macro-F1 of
+their sum is the in-process engine's number (``evaluation.macro_f1_from_confusion``). At the end they
+return the validation probabilities of the best state. ``evaluate`` then scores the best state on the
+test set, holdouts and the external cohort at the sites that hold them (``federation.evaluate``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from flwr.app import ConfigRecord, RecordDict
 from fedhisto.atomic import write_json
 from fedhisto.code_identity import CodeMismatch, check_code
 from fedhisto.config import Config
-from fedhisto.federation.records import get_value, payload_bytes, put_members, put_payload, state_record
+from fedhisto.federation.records import (
+    get_value,
+    payload_bytes,
+    put_members,
+    put_payload,
+    record_state,
+    state_record,
+)
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, descriptor_digest
@@ -59,11 +68,17 @@ def check_federable(method: Method, sites: list[str]) -> None:
 class FederatedRun:
     def __init__(self, cfg: Config, method_name: str, seed: int, sites: list[str], out_dir: str | Path,
                  dataset_identity: str, descriptors_json: str, encoder_dir: str | None = None,
-                 eval_site: str | None = None, events: Path | None = None, pause_between_rounds: float = 0.0):
+                 eval_site: str | list[str] | None = None, events: Path | None = None,
+                 pause_between_rounds: float = 0.0):
+        if cfg.train.engine != "sequential":  # each site trains alone: the sequential engine's math, and identity
+            log.info("train.engine %s: the Flower engine trains each site on its own (sequential)", cfg.train.engine)
+            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"engine": "sequential"})})
         self.cfg, self.seed, self.sites = cfg, seed, sorted(sites)
         self.method = build_method(method_name, cfg)
         check_federable(self.method, self.sites)
-        self.eval_site = eval_site or self.sites[0]
+        names = eval_site.split(",") if isinstance(eval_site, str) else (eval_site or [])
+        self.eval_sites = sorted({n.strip() for n in names if n.strip()}) or [self.sites[0]]
+        self.eval_site = self.eval_sites[0]  # the first; kept for callers that name one
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.descriptors_json = descriptors_json
@@ -79,8 +94,9 @@ class FederatedRun:
 
     # ------------------------------------------------------------------ messages
     def _run_record(self, site: str, round_idx: int, **extra) -> ConfigRecord:
+        k = self.sites.index(site) if site in self.sites else -1  # an evaluation-only site has no RNG stream
         return ConfigRecord({"method": self.method.name, "seed": self.seed, "config": self.cfg_json,
-                             "round": round_idx, "site": site, "k": self.sites.index(site), **extra})
+                             "round": round_idx, "site": site, "k": k, **extra})
 
     def _event(self, **row) -> None:
         if self.events is not None:
@@ -94,7 +110,9 @@ class FederatedRun:
         replies, unavailable = ex.send(action, contents, r)
         traffic[action] = {"s": round(time.perf_counter() - t0, 3),
                            "down_bytes": sum(payload_bytes(rd) for rd in contents.values()),
-                           "up_bytes": sum(payload_bytes(rd) for rd in replies.values())}
+                           "up_bytes": sum(payload_bytes(rd) for rd in replies.values()),
+                           # per site: seconds in the handler, and (with a worker) the forwarding round trip
+                           "sites": {s: dict(rd["info"]) for s, rd in sorted(replies.items()) if "info" in rd}}
         ok = {}
         for site, rd in replies.items():
             if "error" in rd:
@@ -107,15 +125,16 @@ class FederatedRun:
         self._event(event="received", action=action, round=r + 1, ok=sorted(ok), unavailable=unavailable)
         return ok, unavailable
 
-    def _check_identity(self, site: str, rd: RecordDict, r: int) -> None:
+    def identity_mismatch(self, site: str, rd: RecordDict) -> str | None:
+        """Why a site's reply does not belong to this run (its descriptor or encoder), or None."""
         got = get_value(rd, "descriptor")
         want = self.site_descriptors[site]
         if descriptor_digest({site: got}) != descriptor_digest({site: want}):
-            raise ClientFailure(site, r, RuntimeError("its stain descriptor differs from the run's descriptors"))
+            return f"site {site}: its stain descriptor differs from the run's descriptors"
         digest = str(rd["identity"]["encoder-digest"])
         if digest != self.identity["encoder_digest"]:
-            raise ClientFailure(site, r, RuntimeError(f"its encoder digest {digest[:12]} differs from the run's "
-                                                      f"{self.identity['encoder_digest'][:12]}"))
+            return f"site {site}: its encoder digest {digest[:12]} differs from the run's {self.identity['encoder_digest'][:12]}"
+        return None
 
     # ------------------------------------------------------------------ the run
     def run(self, ex: Exchange) -> dict:
@@ -141,7 +160,7 @@ class FederatedRun:
                                 {"descriptors": self.descriptors_json})
         return {"method": self.method.name, "seed": self.seed, "identity": self.identity,
                 "runtime": runtime_block(torch.device("cpu")), "provenance": prov, "engine": "flower",
-                "sites": self.sites, "evaluation_site": self.eval_site}
+                "sites": self.sites, "evaluation_site": self.eval_site, "evaluation_sites": self.eval_sites}
 
     def _status(self, status: str) -> None:
         s = self.summary()
@@ -157,18 +176,53 @@ class FederatedRun:
             self._status("failed")
 
     def finalise(self, ex: Exchange, ckpt: dict) -> dict:
-        """Validation predictions of the best state (from the evaluation site), history, report, status."""
+        """Validation predictions of the best state (from the evaluation sites), history, report, status."""
         best = ckpt["best"]["members"]
-        rd = RecordDict({"run": self._run_record(self.eval_site, ckpt["round"])})
-        put_members(rd, best)
-        ok, lost = self._exchange(ex, "evaluate.predict", {self.eval_site: rd}, ckpt["round"], {})
-        if self.eval_site not in ok:
-            raise ClientUnavailable(f"the evaluation site {self.eval_site} did not predict: {lost}")
-        reply = ok[self.eval_site]
-        ids, labels = list(reply["samples"]["ids"]), [int(y) for y in reply["samples"]["labels"]]
-        probs = {member: get_value(reply, f"probs:{member}") for member in best}
-        return finalise_run(self.out, ckpt, self.summary(), ids, labels, probs,
-                            {"dataset_identity": self.identity["dataset_identity"], "engine": "flower"})
+        contents = {}
+        for site in self.eval_sites:
+            rd = RecordDict({"run": self._run_record(site, ckpt["round"])})
+            put_members(rd, best)
+            contents[site] = rd
+        ok, lost = self._exchange(ex, "evaluate.predict", contents, ckpt["round"], {})
+        missing = {s: lost.get(s, "no reply") for s in self.eval_sites if s not in ok}
+        if missing:
+            raise ClientUnavailable(f"the evaluation site(s) did not predict: {missing}")
+        ids, labels, probs = [], [], {member: [] for member in best}
+        for site in self.eval_sites:
+            reply = ok[site]
+            ids += list(reply["samples"]["ids"])
+            labels += [int(y) for y in reply["samples"]["labels"]]
+            for member in best:
+                probs[member].append(get_value(reply, f"probs:{member}"))
+        order = sorted(range(len(ids)), key=ids.__getitem__)  # one validation split, in sample-id order
+        if len(set(ids)) != len(ids):
+            raise ClientFailure(",".join(self.eval_sites), ckpt["round"],
+                                RuntimeError("the evaluation sites' validation rows overlap (same sample id twice)"))
+        stacked = {m: torch.cat(ps)[order] for m, ps in probs.items()}
+        return finalise_run(self.out, ckpt, self.summary(), [ids[i] for i in order], [labels[i] for i in order],
+                            stacked, {"dataset_identity": self.identity["dataset_identity"], "engine": "flower"})
+
+    def evaluate(self, ex: Exchange, ckpt: dict, targets: list, out_dir: str | Path) -> dict:
+        """Federated evaluation of the best state at the sites holding ``targets`` (``federation.evaluate``)
+        into ``out_dir`` (results/predictions/{method}/seed{seed})."""
+        from fedhisto.federation import evaluate as fe
+
+        status = json.loads((self.out / "status.json").read_text())["status"]
+        temperatures = {}
+        if self.cfg.evaluate.temperature_scaling:
+            from fedhisto.predict import member_temperatures
+
+            temperatures = member_temperatures(self.out, list(ckpt["best"]["members"]))
+        self._event(event="send", action="evaluate.split", round=ckpt["round"], sites=sorted({t.site for t in targets}))
+        replies = fe.evaluate_sites(self, ex, ckpt, targets, temperatures)
+        prov = provenance_block("predict", stage_block(self.cfg, "predict", method=self.method.name, seed=self.seed),
+                                {"checkpoint": self.checkpoint})
+        prov.update(engine="flower", evaluated_at=sorted({t.site for t in targets}))
+        if temperatures:
+            prov["temperatures"] = temperatures
+        summary = fe.write_predictions(out_dir, replies, targets, status, prov, self.cfg.evaluate.ece_bins)
+        self._event(event="evaluated", cohorts={c: v["basis"] for c, v in summary.items()})
+        return summary
 
 
 class FlowerParticipants:
@@ -200,27 +254,35 @@ class FlowerParticipants:
                 log.warning("round %d: %s", r + 1, exc)
                 lost[n] = f"refused: {exc}"
                 del ok[n]
-        for n, rd in ok.items():
-            self.run._check_identity(n, rd, r)
-        return {n: LocalResult(dict(rd["state"].to_torch_state_dict()), int(rd["metrics"]["num-examples"]),
+        for n in list(ok):  # a site on another descriptor or encoder: refused by name, the others go on
+            why = self.run.identity_mismatch(n, ok[n])
+            if why:
+                log.warning("round %d: %s", r + 1, why)
+                lost[n] = f"refused: {why}"
+                del ok[n]
+        return {n: LocalResult(record_state(rd["state"]), int(rd["metrics"]["num-examples"]),
                                dict(rd["losses"]), int(rd["metrics"]["steps"])) for n, rd in ok.items()}, lost
 
     def post(self, r, members, uploaders):
-        """One ``evaluate.post`` per uploader (its start state under the new members) and to the evaluation
-        site (every member, and the validation flag); the evaluation site must answer."""
-        eval_site = self.run.eval_site
+        """One ``evaluate.post`` per uploader (its start state under the new members) and to each evaluation
+        site (every member, and the validation flag); every evaluation site must answer. Uploaders that
+        are also evaluation sites do both in one message."""
+        from fedhisto.federation.evaluate import validation_from_counts
+
+        eval_sites = self.run.eval_sites
         out = {}
-        for n in sorted({*uploaders, eval_site}):
-            rd = RecordDict({"run": self.run._run_record(n, r, upload=n in uploaders, validate=n == eval_site,
+        for n in sorted({*uploaders, *eval_sites}):
+            rd = RecordDict({"run": self.run._run_record(n, r, upload=n in uploaders, validate=n in eval_sites,
                                                          member=GLOBAL)})
-            put_members(rd, members if n == eval_site else {GLOBAL: self.run.method.start_state(members, n)})
+            put_members(rd, members if n in eval_sites else {GLOBAL: self.run.method.start_state(members, n)})
             out[n] = rd
         ok, lost = self.run._exchange(self.ex, "evaluate.post", out, r, self.traffic)
-        if eval_site not in ok:
-            raise ClientUnavailable(f"round {r + 1}: the evaluation site {eval_site} did not validate "
-                                    f"({lost.get(eval_site, 'no reply')}); resume when it is back")
+        missing = {n: lost.get(n, "no reply") for n in eval_sites if n not in ok}
+        if missing:
+            raise ClientUnavailable(f"round {r + 1}: evaluation site(s) did not validate ({missing}); "
+                                    "resume when they are back")
         after = {n: get_value(ok[n], "upload") for n in uploaders if n in ok}
-        metrics = {k: float(v) for k, v in ok[eval_site]["validation"].items()}
+        metrics = validation_from_counts({n: ok[n] for n in eval_sites})
         return after, {n: why for n, why in lost.items() if n in uploaders}, metrics
 
     def row_extra(self) -> dict:

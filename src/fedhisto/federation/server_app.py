@@ -37,6 +37,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from fedhisto.config import load_config_file  # noqa: E402
+from fedhisto.federation.envelope import seal, unseal  # noqa: E402
+from fedhisto.federation.evaluate import EvaluationIncomplete  # noqa: E402
 from fedhisto.federation.server import FederatedRun  # noqa: E402
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable  # noqa: E402
 
@@ -55,12 +57,34 @@ def dump_audit(log_dir: str) -> None:
 
 class GridExchange:
     """``Exchange`` over a Flower Grid: one message per site, replies mapped back by message id
-    (SuperLink-made error replies, e.g. NODE_UNAVAILABLE, carry ``src_node_id`` 0)."""
+    (SuperLink-made error replies, e.g. NODE_UNAVAILABLE, carry ``src_node_id`` 0).
 
-    def __init__(self, grid: Grid, sites: list[str], timeout: float, wait_nodes: float, run_base: dict):
+    Replies are collected by pushing the messages, then pulling every ``poll`` seconds (default 0.2):
+    Flower 1.42's ``Grid.send_and_receive`` sleeps a fixed 3 s between pulls
+    (``flwr/superlink/grid/http_grid.py``), so a reply that arrives just after a pull waits up to 3 s.
+    ``poll=None`` uses ``send_and_receive`` as before (and a Grid without push/pull, e.g. a test's)."""
+
+    def __init__(self, grid: Grid, sites: list[str], timeout: float, wait_nodes: float, run_base: dict,
+                 poll: float | None = 0.2, sealed: bool = True):
         self.grid, self.sites, self.timeout, self.wait_nodes = grid, sites, timeout, wait_nodes
+        self.sealed = sealed  # each message's content travels as one array (records.seal)
         self.run_base = run_base
+        self.poll = poll if poll and hasattr(grid, "push_messages") and hasattr(grid, "pull_messages") else None
         self.site_to_node: dict[str, int] = {}
+        self.reply_info: dict[str, dict] = {}  # the last reply's ``info`` record per site (timings, worker)
+
+    def _send_and_receive(self, messages: list[Message]) -> list[Message]:
+        if self.poll is None:
+            return list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        ids = set(self.grid.push_messages(messages))
+        end, out = time.time() + self.timeout, []
+        while ids and time.time() < end:
+            got = list(self.grid.pull_messages(ids))
+            out += got
+            ids -= {m.metadata.reply_to_message_id for m in got}
+            if ids:
+                time.sleep(self.poll)
+        return out
 
     def discover(self) -> dict[str, int]:
         """Map sites to node ids: registered names first; nameless nodes answer one ``query``."""
@@ -76,7 +100,7 @@ class GridExchange:
         if unnamed and len(named) < len(self.sites):
             msgs = [Message(RecordDict({"run": ConfigRecord({**self.run_base, "site": "", "round": -1, "k": -1})}),
                             dst_node_id=nid, message_type="query") for nid in unnamed]
-            for reply in self.grid.send_and_receive(msgs, timeout=self.timeout):
+            for reply in self._send_and_receive(msgs):
                 if not reply.has_error() and "site" in reply.content:
                     site = str(reply.content["site"]["site-id"])
                     if site in self.site_to_node and self.site_to_node[site] != reply.metadata.src_node_id:
@@ -88,9 +112,10 @@ class GridExchange:
         if len(self.site_to_node) < len(self.sites):
             self.discover()
         unavailable = {s: "no SuperNode for this site is connected" for s in contents if s not in self.site_to_node}
-        msgs = {s: Message(rd, dst_node_id=self.site_to_node[s], message_type=action, group_id=str(round_idx + 1))
+        msgs = {s: Message(seal(rd) if self.sealed else rd, dst_node_id=self.site_to_node[s], message_type=action,
+                           group_id=str(round_idx + 1))
                 for s, rd in contents.items() if s in self.site_to_node}
-        replies = list(self.grid.send_and_receive(list(msgs.values()), timeout=self.timeout)) if msgs else []
+        replies = self._send_and_receive(list(msgs.values())) if msgs else []
         by_id = {m.metadata.message_id: s for s, m in msgs.items()}
         got: dict[str, RecordDict] = {}
         for reply in replies:
@@ -100,11 +125,29 @@ class GridExchange:
             if reply.has_error():  # NODE_UNAVAILABLE, or the ClientApp could not even start
                 unavailable[site] = f"Flower error {reply.error.code}: {reply.error.reason}"[:500]
             else:
-                got[site] = reply.content
+                got[site] = unseal(reply.content)
+                if "info" in got[site]:
+                    self.reply_info[site] = dict(got[site]["info"])
+                    if "worker-fallback" in self.reply_info[site]:
+                        log.warning("site %s handled %s without its worker: %s", site, action,
+                                    self.reply_info[site]["worker-fallback"])
         for s in msgs:
             if s not in got and s not in unavailable:
                 unavailable[s] = f"no reply within {self.timeout:.0f} s"
         return got, unavailable
+
+
+def evaluation_targets(value: str) -> list:
+    """Run config ``evaluate``: ``SITE:split`` items, comma-separated (e.g. ``C1:holdout,TEST:test,EXT:external``)."""
+    from fedhisto.federation.evaluate import EvalTarget
+
+    out = []
+    for item in (x.strip() for x in value.split(",") if x.strip()):
+        site, sep, split = item.partition(":")
+        if not sep:
+            raise ValueError(f"run config evaluate: {item!r} is not SITE:split")
+        out.append(EvalTarget(site, split))
+    return out
 
 
 def _sites(value: str) -> list[str]:
@@ -126,17 +169,25 @@ def main(grid: Grid, context: Context) -> None:
                        pause_between_rounds=float(rc.get("pause-between-rounds", 0.0)))
     fed.after_round = lambda: dump_audit(log_dir)
     run_base = {"method": fed.method.name, "seed": fed.seed, "config": fed.cfg_json}
-    ex = GridExchange(grid, sites, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
-                      run_base)
+    poll = float(rc.get("poll-interval", 0.2))
+    targets = evaluation_targets(str(rc.get("evaluate", "")))
+    reached = sorted({*sites, *fed.eval_sites, *(t.site for t in targets)})
+    ex = GridExchange(grid, reached, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
+                      run_base, poll=poll if poll > 0 else None, sealed=bool(rc.get("sealed", True)))
     try:
         ex.discover()
         fed._event(event="discovered", site_to_node={k: str(v) for k, v in ex.site_to_node.items()})
         ckpt = fed.run(ex)
         fed.finalise(ex, ckpt)
+        if targets:
+            fed.evaluate(ex, ckpt, targets, str(rc["predictions-dir"]))
         fed._event(event="finished", round=ckpt["round"])
     except (ClientFailure, TooManyUnavailable) as exc:
         fed.fail(exc)
         fed._event(event="failed", error=str(exc)[:2000])
+        raise
+    except EvaluationIncomplete as exc:  # training is done and kept; evaluation names the sites that failed
+        fed._event(event="evaluation_incomplete", failed=exc.failed)
         raise
     except ClientUnavailable as exc:  # the evaluation site is away: the checkpoint stays; run again to resume
         fed._event(event="interrupted", error=str(exc)[:2000])

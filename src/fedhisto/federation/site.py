@@ -6,22 +6,29 @@ here imports flwr. A site reads only its own rows of a manifest (``client == sit
 same decoding as ``train.data.load_partitions``, so that a site's ``local_train`` is bitwise the
 in-process engine's.
 
-Models and data are cached per process (``_MODELS``/``_DATA``): a warm worker (Flower's
-Simulation Engine keeps its Ray actors) builds the encoder once; a deployed SuperNode starts one
-``flwr-clientapp`` process per message, so it pays the build every message (docs/federation.md).
+Models, the frozen encoder and decoded data are cached per process (``_MODELS``/``_ENCODERS``/
+``_DATA``): a long-lived process (the site worker of ``federation.worker``, or a Simulation Engine
+Ray actor) loads the encoder once per node and decodes the site's images once. Decoded images are
+also cached on the node's disk (node config ``cache-dir``), keyed by the SHA-256 of the manifest
+file, the site, the split and the decode size: a manifest that changes (any row, any image digest)
+is a new key and is decoded again, and a cache file whose recorded key differs is never used.
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import hashlib
+import io
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fedhisto import CLASSES
+from fedhisto.atomic import atomic_path
 from fedhisto.config import Config, load_config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
@@ -33,20 +40,25 @@ from fedhisto.train.local import LocalResult, local_train
 from fedhisto.train.loop import ClientUnavailable
 from fedhisto.train.participants import validate_members
 
+log = logging.getLogger(__name__)
 _MODELS: dict[tuple, tuple[Method, FedHistoModel]] = {}
+_ENCODERS: dict[tuple, object] = {}  # (encoder config, folder digest) -> FrozenEncoder, before LoRA
 _DATA: dict[tuple, Split] = {}
+DATA_CACHE_FORMAT = 1
 
 
 @dataclass
 class SiteConfig:
     """One site, as its SuperNode's node config names it (``site-id``, ``manifest``, ``descriptors``,
-    optional ``encoder-dir`` and ``threads``)."""
+    optional ``encoder-dir``, ``threads`` and ``cache-dir``)."""
 
     site: str
     manifest: str
     descriptors: str = ""
     encoder_dir: str = ""
     threads: int = 1
+    cache_dir: str = ""
+    report: str = "rows"  # federated evaluation: "rows" (per image) or "counts" (this site's opt-out of rows)
 
     @classmethod
     def from_node_config(cls, node_config: dict, run_config: dict) -> SiteConfig:
@@ -56,7 +68,8 @@ class SiteConfig:
         if "site-id" in node_config:
             return cls(str(node_config["site-id"]), str(node_config.get("manifest", "")),
                        str(node_config.get("descriptors", "")), str(node_config.get("encoder-dir", "")),
-                       int(node_config.get("threads", 1)))
+                       int(node_config.get("threads", 1)), str(node_config.get("cache-dir", "")),
+                       str(node_config.get("report", "rows")))
         sites = sorted(s.strip() for s in str(run_config["sites"]).split(",") if s.strip())
         return cls(sites[int(node_config["partition-id"])], str(run_config.get("sim-manifest", "")),
                    str(run_config.get("sim-descriptors", "")), str(run_config.get("encoder-dir", "")),
@@ -67,17 +80,24 @@ def config_from_json(text: str) -> Config:
     return load_config(json.loads(text))
 
 
-def load_site_split(manifest_csv: str, site: str | None, split: str, crop_size: int) -> Split:
-    """``site``'s rows of one split (``site=None``: all rows of the split), as ``load_partitions``."""
+def load_site_split(manifest_csv: str, site: str | None, split: str, crop_size: int, cache_dir: str = "") -> Split:
+    """``site``'s rows of one split (``site=None``: all rows of the split), as ``load_partitions``.
+    With ``cache_dir`` the decoded images come from (or go to) the node-local cache (module docstring)."""
     key = (str(Path(manifest_csv).resolve()), site, split, crop_size)
     if key in _DATA:
         return _DATA[key]
     try:
-        with Path(manifest_csv).open() as fh:
-            rows = [r for r in csv.DictReader(fh) if r["split"] == split and (site is None or r["client"] == site)]
-        rows.sort(key=lambda r: r["sample_id"])
-        data = Split([r["sample_id"] for r in rows], [CLASSES.index(r["label"]) for r in rows],
-                     [_load(r["path"], 2 * crop_size) for r in rows])
+        text = Path(manifest_csv).read_bytes()
+        cache = _cache_file(cache_dir, text, site, split, crop_size) if cache_dir else None
+        data = _read_cache(cache) if cache else None
+        if data is None:
+            rows = [r for r in csv.DictReader(io.StringIO(text.decode()))
+                    if r["split"] == split and (site is None or r["client"] == site)]
+            rows.sort(key=lambda r: r["sample_id"])
+            data = Split([r["sample_id"] for r in rows], [CLASSES.index(r["label"]) for r in rows],
+                         [_decode(r, site, crop_size) for r in rows])
+            if cache and len(data):
+                _write_cache(cache, data)
     except OSError as exc:  # the site's data cannot be read: declared unavailability
         raise ClientUnavailable(f"site {site}: cannot read its data: {exc}") from exc
     if not len(data):
@@ -86,13 +106,65 @@ def load_site_split(manifest_csv: str, site: str | None, split: str, crop_size: 
     return data
 
 
+def _decode(row: dict, site: str | None, crop_size: int) -> object:
+    """One image; a failure names the sample id to the coordinator and the file only in the site's log
+    (a reply never carries a site's paths)."""
+    try:
+        return _load(row["path"], 2 * crop_size)
+    except OSError as exc:
+        log.error("site %s: image %s (%s) cannot be decoded: %s", site, row["sample_id"], row["path"], exc)
+        raise ClientUnavailable(f"site {site}: image {row['sample_id']} cannot be decoded "
+                                f"({type(exc).__name__}; the file is named in the site's log)") from None
+
+
+def _cache_file(cache_dir: str, manifest_bytes: bytes, site: str | None, split: str, crop_size: int) -> tuple[Path, str]:
+    digest = hashlib.sha256(manifest_bytes).hexdigest()
+    key = hashlib.sha256(json.dumps([DATA_CACHE_FORMAT, digest, site, split, 2 * crop_size]).encode()).hexdigest()
+    return Path(cache_dir) / f"decoded-{site or 'all'}-{split}-{key[:20]}.pt", key
+
+
+def _read_cache(cache: tuple[Path, str]) -> Split | None:
+    path, key = cache
+    if not path.exists():
+        return None
+    try:
+        doc = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: decode again and overwrite it
+        log.warning("decoded-image cache %s unreadable (%s): decoding again", path, exc)
+        return None
+    if doc.get("key") != key:
+        log.warning("decoded-image cache %s belongs to another manifest: decoding again", path)
+        return None
+    return Split(doc["ids"], doc["labels"], doc["images"])
+
+
+def _write_cache(cache: tuple[Path, str], data: Split) -> None:
+    path, key = cache
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        torch.save({"key": key, "ids": list(data.ids), "labels": list(data.labels), "images": list(data.images)}, tmp)
+
+
+def frozen_encoder(cfg: Config, encoder_dir: str):
+    """A private copy of this node's frozen encoder, loaded once per process (LoRA is injected into
+    the copy by ``FedHistoModel``)."""
+    from fedhisto.model.encoder import load_encoder
+
+    key = (cfg.model.encoder.model_dump_json(), encoder_digest(cfg, encoder_dir or None))
+    if key not in _ENCODERS:
+        torch.manual_seed(0)  # as build_model: a random (non-pretrained) encoder is the same everywhere
+        _ENCODERS[key] = load_encoder(cfg.model.encoder, encoder_dir or None)
+    return copy.deepcopy(_ENCODERS[key])
+
+
 def site_model(cfg_json: str, method_name: str, seed: int, encoder_dir: str, threads: int) -> tuple[Method, FedHistoModel]:
     torch.set_num_threads(max(threads, 1))
     key = (hashlib.sha256(cfg_json.encode()).hexdigest(), method_name, seed, encoder_dir)
     if key not in _MODELS:
         cfg = config_from_json(cfg_json)
         method = build_method(method_name, cfg)
-        _MODELS[key] = (method, build_model(cfg, method, seed, encoder_dir or None).to(pick_device()))
+        model = build_model(cfg, method, seed, encoder_dir or None, encoder=frozen_encoder(cfg, encoder_dir))
+        _MODELS[key] = (method, model.to(pick_device()))
     return _MODELS[key]
 
 
@@ -105,11 +177,15 @@ class Site:
         self.cfg = self.method.cfg
         self.device = pick_device()
         doc = json.loads(Path(sc.descriptors).read_text()) if self.method.film else None
-        self.descriptors = self.method.descriptors(doc, [sc.site])  # this site's and the centroid ("global")
+        try:
+            self.descriptors = self.method.descriptors(doc, [sc.site])  # this site's and the centroid ("global")
+        except KeyError:  # an evaluation-only site (test / external set): the centroid only
+            self.descriptors = {**self.method.descriptors(doc, []), sc.site: None}
 
     @property
     def data(self) -> Split:
-        return load_site_split(self.sc.manifest, self.sc.site, "optimisation", self.cfg.views.crop_size)
+        return load_site_split(self.sc.manifest, self.sc.site, "optimisation", self.cfg.views.crop_size,
+                               self.sc.cache_dir)
 
     def identity(self) -> dict:
         """What the server checks against the run identity (no data, no path)."""
@@ -132,7 +208,38 @@ class Site:
 
     # ------------------------------------------------------------ evaluation site
     def validation(self) -> Split:
-        return load_site_split(self.sc.manifest, None, "validation", self.cfg.views.crop_size)
+        return load_site_split(self.sc.manifest, None, "validation", self.cfg.views.crop_size, self.sc.cache_dir)
+
+    @property
+    def report(self) -> str:
+        if self.sc.report not in ("rows", "counts"):
+            raise ValueError(f"site {self.sc.site}: node config report={self.sc.report!r} is not rows or counts")
+        return self.sc.report
+
+    def evaluation_split(self, split: str) -> tuple[Split, list[dict]]:
+        """One split this site holds (``holdout``: its own rows; others: every row of the split in its
+        manifest), and each image's client / differentiation / magnification from the manifest."""
+        from fedhisto.federation.evaluate import read_manifest_meta
+
+        who = self.sc.site if split == "holdout" else None
+        data = load_site_split(self.sc.manifest, who, split, self.cfg.views.crop_size, self.sc.cache_dir)
+        meta = read_manifest_meta(self.sc.manifest, who, split)
+        return data, [meta[i] for i in data.ids]
+
+    def validation_counts(self, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, list]:
+        """The confusion matrix of every member on this site's validation rows (early stopping over
+        validation held by several sites sums them)."""
+        import numpy as np
+
+        from fedhisto.evaluation import confusion
+
+        val = self.validation()
+        out = {}
+        for name, state in members.items():
+            self.model.load_trainable_state(state)
+            pred = predict(self.model, val, self.descriptors[GLOBAL], self.cfg, self.device).argmax(1).numpy()
+            out[name] = confusion(np.asarray(val.labels, dtype=int), pred).tolist()
+        return out
 
     def validate(self, members: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
         """``train.participants.validate_members`` on the validation split, with the centroid descriptor."""

@@ -31,10 +31,13 @@ def set_determinism() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def build_model(cfg: Config, method: Any, seed: int, encoder_dir: str | None) -> FedHistoModel:
-    """``method``: the run's ``methods.base.Method`` (its ``film`` decides the FiLM module)."""
+def build_model(cfg: Config, method: Any, seed: int, encoder_dir: str | None, encoder: Any = None) -> FedHistoModel:
+    """``method``: the run's ``methods.base.Method`` (its ``film`` decides the FiLM module). ``encoder``:
+    an already loaded ``FrozenEncoder`` of this config and folder (a site worker's copy, loaded once per
+    node) used instead of loading it again; LoRA is injected into it, so pass a copy."""
     torch.manual_seed(0)  # a random (non-pretrained) encoder must be identical across runs
-    encoder = load_encoder(cfg.model.encoder, encoder_dir)
+    if encoder is None:
+        encoder = load_encoder(cfg.model.encoder, encoder_dir)
     torch.manual_seed(seed)  # LoRA A and head initialisation follow the run seed
     return FedHistoModel(encoder, cfg.model, film=method.film)
 
