@@ -64,6 +64,11 @@ class DoseResponseConfig(Strict):
         description="stain_invariant: the pipeline's encoder; plain: pretrained without stain-perturbed views; "
                     "{label, name, local_dir, ...}: any registry encoder (all methods retrained on it)")
 
+    extra_methods: list[Method] = Field(
+        default_factory=lambda: ["fedavg_peft_stain"],
+        description="trained beside experiments.methods in this experiment only (issue 23: fedavg_peft_stain, the "
+                    "stain-augmented FedAvg arm, answers 'paired consistency, or just augmentation?')")
+
     @model_validator(mode="after")
     def _ordered(self) -> DoseResponseConfig:
         if sorted(set(self.severities)) != list(self.severities) or min(self.severities) < 0:

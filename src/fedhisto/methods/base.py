@@ -155,6 +155,8 @@ class Method:
 
     film: bool = False              # the model carries stain-conditioned FiLM
     paired_views: bool = False      # two stain views per image: micro-batch x accumulation, else one batch
+    stain_single: bool | None = None  # a single view stain-perturbed (True), geometry only (False), or
+                                      # as ``views.single_view_stain`` says (None)
     exchanges_model: bool = True    # the trainable state travels down and up every round (Table 8)
     pre_uploads: bool = False       # participants upload before training (``upload_before_training``)
     post_uploads: bool = False      # participants upload after aggregation (``upload_after_aggregation``)
@@ -252,9 +254,9 @@ class Method:
         (``train.batched``) every member's views in one encoder pass."""
         if run.cfg.train.view_pipeline == "device":
             return BatchInputs(list(device_views(run.data, batch.idx, run.cfg.views, run.seed, batch.view_epoch,
-                                                 self.paired_views, run.device)))
+                                                 self.paired_views, run.device, self.stain_single)))
         views = [training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
-                                self.paired_views) for i in batch.idx]
+                                self.paired_views, self.stain_single) for i in batch.idx]
         return BatchInputs([torch.stack([v[k] for v in views]) for k in range(len(views[0]))])
 
     def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:

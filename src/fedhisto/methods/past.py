@@ -48,8 +48,14 @@ class PastFamily(Method):
     def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
                  prototypes: Literal["none", "v1", "v2"] = "none", paired_views: bool = False, js: bool = False,
                  feat: bool = False, aggregation: Literal["sample_mass", "adaptive"] = "sample_mass",
-                 proximal: bool = False) -> None:
+                 proximal: bool = False, stain_views: bool = False) -> None:
         super().__init__(name, cfg, config_key)
+        if stain_views and paired_views:
+            raise ValueError(f"method {name!r}: stain_views is the single-view arm's switch (paired views are "
+                             "stain-perturbed already)")
+        # issue 23: a stain-augmented single-view arm draws v2's first-view perturbation for its one view
+        # (views.training_views with stain_single=True); the others follow views.single_view_stain
+        self.stain_single = True if stain_views else None
         self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
         self.paired_views, self.js, self.feat = paired_views, js, feat
         self.aggregation, self.proximal = aggregation, proximal
