@@ -26,7 +26,7 @@ def _cohort(path: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
     with path.open("w", newline="") as fh:
         w = csv.DictWriter(fh, ["sample_id", "severity"])
         w.writeheader()
-        w.writerows({"sample_id": i, "severity": s} for i, s in zip(ids, sev))
+        w.writerows({"sample_id": i, "severity": s} for i, s in zip(ids, sev, strict=True))
     return ids, sev, y
 
 
@@ -36,10 +36,10 @@ def _predictions(path: Path, ids, y, accuracy: float, seed: int) -> np.ndarray:
     pred = np.where(rng.random(len(y)) < accuracy, y, (y + 1) % 3)
     probs = np.full((len(y), 3), 0.1)
     probs[np.arange(len(y)), pred] = 0.8
-    rows = [{"sample_id": i, "label": ["ACA", "Normal", "SCC"][t], **dict(zip(PROB_COLUMNS, p)),
+    rows = [{"sample_id": i, "label": ["ACA", "Normal", "SCC"][t], **dict(zip(PROB_COLUMNS, p, strict=True)),
              "pred": ["ACA", "Normal", "SCC"][int(p.argmax())], "cohort": "external", "client": "",
              "differentiation": "", "magnification": "", "run_status": "ok", "model": "global"}
-            for i, t, p in zip(ids, y, probs)]
+            for i, t, p in zip(ids, y, probs, strict=True)]
     write_predictions(path, rows)
     return pred
 

@@ -44,9 +44,9 @@ def cfg():
 
 def test_stain_arm_view_is_v2_first_view_and_baseline_stays_geometry_only(cfg):
     data = [tissue(k) for k in range(3)]
-    v2_first = torch.stack([training_views(im, cfg.views, 11, 4, sid, paired=True)[0] for im, sid in zip(data, IDS)])
+    v2_first = torch.stack([training_views(im, cfg.views, 11, 4, sid, paired=True)[0] for im, sid in zip(data, IDS, strict=True)])
     geometry = torch.stack([training_views(im, cfg.views, 11, 4, sid, paired=False, stain_single=False)[0]
-                            for im, sid in zip(data, IDS)])
+                            for im, sid in zip(data, IDS, strict=True)])
     for arm in ("fedavg_peft_stain", "v1_stain"):
         assert torch.equal(views_of(arm, cfg), v2_first)  # v2's first-view law, draw for draw
     plain = views_of("fedavg_peft", cfg)
