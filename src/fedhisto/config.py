@@ -37,6 +37,7 @@ from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage impor
 from fedhisto.config_experiments import ExperimentsConfig
 from fedhisto.config_model import EncoderConfig, ModelConfig, PretrainConfig  # noqa: F401 (re-exported)
 from fedhisto.config_privacy import PrivacyConfig
+from fedhisto.config_readings import ReadingsConfig
 from fedhisto.registry import Method
 from fedhisto.zoo import ENCODERS
 
@@ -75,6 +76,10 @@ class TrainBase(Strict):
     engine: Literal["sequential", "batched"] = Field(
         "sequential", json_schema_extra=IF_CHANGED, description="[ours] local training one client after the other, or every client of a round in "
                                   "one encoder pass (train.batched: same math, dropout masks drawn once for the stack)")
+    readings: ReadingsConfig = Field(
+        default_factory=ReadingsConfig, json_schema_extra=IF_CHANGED,
+        description="[ours] readings of the study's unstated training choices (sensitivity experiment; "
+                    "fedhisto.config_readings); the defaults leave every run as it was")
     view_pipeline: Literal["host", "device"] = Field(
         "host", json_schema_extra=IF_CHANGED, description="[ours] training views made on the host, or on the device from uint8 images kept there "
                             "(fedhisto.views_device: same draws, pixels within interpolation rounding)")

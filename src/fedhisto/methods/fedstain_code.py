@@ -90,7 +90,8 @@ def fedstain_code_loss(logits: list[torch.Tensor], zs: list[torch.Tensor], y: to
     view against the original."""
     s = cfg.train.fedstain_code
     return {
-        "ce": sum(balanced_cross_entropy(lg, y, ce_weights, nominal_batch) for lg in logits),
+        "ce": sum(balanced_cross_entropy(lg, y, ce_weights, nominal_batch, cfg.train.readings.ce_reduction)
+                  for lg in logits),
         "supcon": s.weight_supcon * representation_alignment(zs[0], zs[1:], y, s.supcon_tau, include_self=True),
         "js": s.weight_js * js_multi(logits, eps=JS_EPS),
     }
