@@ -14,7 +14,7 @@ from fedhisto.config_base import identity_dump
 from fedhisto.stage_config import stage_block
 
 ROOT = "results/experiments"
-EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe")
+EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe", "sensitivity")
 PLAIN = "dose_response/plain"  # the dose-response condition trained on the plain encoder
 PLAIN_ENCODER = f"{ROOT}/dose_response/encoder_plain"
 
