@@ -45,8 +45,13 @@ def test_each_reading_is_its_own_run_identity_and_the_baseline_is_the_main_run()
     main = stage_block(cfg, "train", method="past_v2", seed=11)
     assert stage_block(SX.reading_config(cfg, "baseline"), "train", method="past_v2", seed=11) == main
     blocks = [stage_block(SX.reading_config(cfg, r), "train", method="past_v2", seed=11)
-              for r in cfg.experiments.sensitivity.readings]
+              for r in cfg.experiments.sensitivity.readings if r != "mixstyle_last_block"]
     assert all(b != main for b in blocks) and len({json.dumps(b, sort_keys=True) for b in blocks}) == len(blocks)
+    # a method family's own block enters that family's identity only (training_settings)
+    moved = SX.reading_config(cfg, "mixstyle_last_block")
+    assert stage_block(moved, "train", method="past_v2", seed=11) == main
+    assert stage_block(moved, "train", method="fedstain", seed=11) != stage_block(cfg, "train", method="fedstain",
+                                                                                  seed=11)
 
 
 def test_which_methods_a_reading_retrains_and_what_stands_for_the_rest():
@@ -54,6 +59,7 @@ def test_which_methods_a_reading_retrains_and_what_stands_for_the_rest():
     affected = {r: {m for m in ("past_v2", "fedavg_peft", "v2_no_js", "fedstain") if SX.affects(cfg, r, m)}
                 for r in cfg.experiments.sensitivity.readings}
     assert affected["ce_views_sum"] == affected["adaptive_delta_w"] == affected["film_tanh"] == {"past_v2", "v2_no_js"}
+    assert affected["mixstyle_last_block"] == {"fedstain"}
     assert affected["ce_class_mean"] == affected["ce_weighted_mean"] == affected["hibou_statistics"] == {
         "past_v2", "fedavg_peft", "v2_no_js", "fedstain"}
     f = SX.prediction_file
@@ -67,9 +73,9 @@ def test_which_methods_a_reading_retrains_and_what_stands_for_the_rest():
     assert f(cfg, "plain", "baseline", "v2_no_js", 11) == \
         "results/experiments/sensitivity/plain/baseline/predictions/v2_no_js/seed11/shifted.csv"
     runs = SX.sensitivity_runs(cfg)
-    assert len(runs) == 2 * 7 * 4
+    assert len(runs) == 2 * 8 * 4
     own = {r[4] for r in runs if r[4].startswith(SX.HERE)}
-    assert len(own) == 37  # the design's count (docs/experiments.md)
+    assert len(own) == 39  # the design's count (docs/experiments.md)
 
 
 def test_an_unaffected_method_trains_bitwise_as_its_baseline(prepared, tmp_path):
@@ -119,6 +125,8 @@ def test_verdicts_flag_a_reading_that_flips_or_blurs_a_conclusion(tmp_path):
     by = {r["reading"]: r for r in out["cells"]}
     assert by["baseline"]["survives"] and by["baseline"]["excludes_zero"] and by["baseline"]["difference"] > 0
     assert by["keeps"]["survives"]
+    assert by["baseline"]["method_macro_f1"] - by["baseline"]["reference_macro_f1"] == pytest.approx(
+        by["baseline"]["difference"])
     assert not by["flips"]["survives"] and not by["flips"]["keeps_sign"]
     (verdict,) = out["verdicts"]
     assert verdict["survives_every_reading"] is False and verdict["broken_by"] == "flips"

@@ -132,8 +132,11 @@ DEFAULT_READINGS: dict[str, dict[str, Any]] = {
     "film_tanh": {"model.film_bound": "tanh"},
     # HIBOU-B's own input statistics in place of ImageNet's (the tiny encoder was pretrained under ImageNet's)
     "hibou_statistics": {"views.mean": [0.7068, 0.5755, 0.722], "views.std": [0.195, 0.2316, 0.1816]},
+    # FedStain's MixStyle on the tokens after the tiny encoder's last block (2 of 0-2) instead of block 0
+    "mixstyle_last_block": {"train.fedstain.mixstyle_after_layer": 2},
 }
-READING_ROOTS = ("train.readings.", "model.film_bound", "views.normalisation", "views.mean", "views.std")
+READING_ROOTS = ("train.readings.", "model.film_bound", "views.normalisation", "views.mean", "views.std",
+                 "train.fedstain.", "train.fedstain_code.")
 
 
 class SensitivityConfig(Strict):

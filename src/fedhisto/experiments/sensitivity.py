@@ -21,6 +21,7 @@ import numpy as np
 
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
+from fedhisto.evaluation import macro_f1
 from fedhisto.experiment_stats import paired_macro_f1
 from fedhisto.experiments.sensitivity_layout import BASELINE, reading_names, retrained
 from fedhisto.figures import save_figure
@@ -84,6 +85,8 @@ def summarise_sensitivity(runs: list[tuple[str, str, str, int, str]], cohort_csv
                 keeps_ci = _excludes_zero(d) == _excludes_zero(base)
                 rows.append({"encoder": encoder, "reading": reading, "method": method, "reference": reference,
                              "images": len(y), "seeds": len(files[(encoder, reading, method)]),
+                             "method_macro_f1": macro_f1(y, pa.argmax(1)),
+                             "reference_macro_f1": macro_f1(y, pb.argmax(1)),
                              "retrained": ",".join(m for m in (method, reference) if reading != BASELINE
                                                    and retrained(cfg, encoder, reading, m)),
                              **d, "excludes_zero": _excludes_zero(d), "keeps_sign": keeps_sign,

@@ -73,8 +73,14 @@ def affects(cfg: Config, reading: str, method: str) -> bool:
     """Whether a reading can change a method's training (else its baseline run stands for it)."""
     if reading == BASELINE:
         return True
-    options = registration(method).options
+    reg = registration(method)
+    options = reg.options
     for key in cfg.experiments.sensitivity.readings[reading]:
+        family = key.split(".")[1] if key.startswith("train.") and key.count(".") == 2 else None
+        if family is not None and family != "readings":  # a method family's own block: that family only
+            if reg.config_key == family:
+                return True
+            continue
         only = _ONLY_WHERE.get(key)
         if only is None or options.get(only[0]) == only[1]:
             return True
