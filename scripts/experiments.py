@@ -74,6 +74,34 @@ if "snakemake" in globals():
         from fedhisto.experiments.probe import summarise_probe
 
         summarise_probe(dict(smk.params.probes), smk.input.dose_response, cfg, Path(smk.output.json).parent)
+    elif rule == "train_sensitivity":
+        from fedhisto.experiments.sensitivity_layout import reading_config
+        from fedhisto.train.stage import run_train
+
+        run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
+                  smk.input.descriptors, reading_config(cfg, smk.wildcards.reading), Path(smk.output.status).parent,
+                  encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
+    elif rule == "predict_sensitivity":
+        from fedhisto.experiments.sensitivity_layout import reading_config
+        from fedhisto.predict import run_predict
+
+        run_predict(smk.wildcards.method, int(smk.wildcards.seed), Path(smk.input.status).parent, smk.input.manifest,
+                    smk.input.identity, smk.input.descriptors, reading_config(cfg, smk.wildcards.reading),
+                    Path(smk.output.external).parent, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
+                    threads=smk.threads)
+    elif rule == "predict_sensitivity_shifted":
+        from fedhisto.experiments.sensitivity_layout import reading_config
+        from fedhisto.experiments.shifted import predict_shifted
+
+        predict_shifted(smk.wildcards.method, int(smk.wildcards.seed), Path(smk.input.status).parent,
+                        smk.input.manifest, smk.input.identity, smk.input.descriptors, smk.input.cohort,
+                        reading_config(cfg, smk.wildcards.reading), smk.output.predictions,
+                        encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
+    elif rule == "summarize_sensitivity":
+        from fedhisto.experiments.sensitivity import summarise_sensitivity
+
+        summarise_sensitivity([tuple(r) for r in smk.params.runs], smk.input.cohort[0] if smk.input.cohort else None,
+                              cfg, Path(smk.output.json).parent)
     elif rule == "audit_privacy_condition":
         from fedhisto.experiments.privacy_audit import run_condition
 

@@ -122,7 +122,7 @@ def test_an_encoder_entry_is_its_own_condition_with_its_encoder_and_views():
     assert X.entry_resources(cfg, "hibou") == {"mem_mb": encoder_entry("hibou-b").resources.train_mem_mb,
                                                "runtime": encoder_entry("hibou-b").resources.train_runtime, "gpu": 1}
     assert X.entry_pattern(cfg) == "hibou"
-    assert len(X.shifted_predictions(cfg)) == 2 * len(cfg.experiments.methods) * len(cfg.experiments.seeds)
+    assert len(X.shifted_predictions(cfg)) == 2 * len(X.dose_methods(cfg)) * len(cfg.experiments.seeds)  # + the stain arm
 
 
 @pytest.mark.parametrize("entries, message", [

@@ -37,6 +37,7 @@ from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage impor
 from fedhisto.config_experiments import ExperimentsConfig
 from fedhisto.config_model import EncoderConfig, ModelConfig, PretrainConfig  # noqa: F401 (re-exported)
 from fedhisto.config_privacy import PrivacyConfig
+from fedhisto.config_readings import ReadingsConfig
 from fedhisto.registry import Method
 from fedhisto.zoo import ENCODERS
 
@@ -77,6 +78,10 @@ class TrainBase(Strict):
         description="[ours] every client of a round in one encoder pass (train.batched: same math, dropout masks "
                     "drawn once for the stack; about 3x faster on CPU), or one client after the other (sequential: "
                     "the engine DP-SGD needs; the identity of runs made before batched became the default)")
+    readings: ReadingsConfig = Field(
+        default_factory=ReadingsConfig, json_schema_extra=IF_CHANGED,
+        description="[ours] readings of the study's unstated training choices (sensitivity experiment; "
+                    "fedhisto.config_readings); the defaults leave every run as it was")
     view_pipeline: Literal["host", "device"] = Field(
         "host", json_schema_extra=IF_CHANGED, description="[ours] training views made on the host, or on the device from uint8 images kept there "
                             "(fedhisto.views_device: same draws, pixels within interpolation rounding)")

@@ -6,7 +6,7 @@ The study's configuration never reads this block: it only decides which extra ru
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -63,6 +63,11 @@ class DoseResponseConfig(Strict):
         default_factory=lambda: ["stain_invariant", "plain"], min_length=1,
         description="stain_invariant: the pipeline's encoder; plain: pretrained without stain-perturbed views; "
                     "{label, name, local_dir, ...}: any registry encoder (all methods retrained on it)")
+
+    extra_methods: list[Method] = Field(
+        default_factory=lambda: ["fedavg_peft_stain"],
+        description="trained beside experiments.methods in this experiment only (issue 23: fedavg_peft_stain, the "
+                    "stain-augmented FedAvg arm, answers 'paired consistency, or just augmentation?')")
 
     @model_validator(mode="after")
     def _ordered(self) -> DoseResponseConfig:
@@ -143,6 +148,58 @@ class PrivacyAuditConfig(Strict):
         return self
 
 
+#: The readings the sensitivity experiment retrains under by default, one open choice each (issue 23);
+#: each maps dotted config keys to the reading's values (the pipeline's own reading is the baseline).
+DEFAULT_READINGS: dict[str, dict[str, Any]] = {
+    "ce_class_mean": {"train.readings.ce_weight_normalisation": "class_mean"},
+    "ce_weighted_mean": {"train.readings.ce_reduction": "weighted_mean"},
+    "ce_views_sum": {"train.readings.ce_views": "sum"},
+    "adaptive_delta_w": {"train.readings.adaptive_on": "delta_w"},
+    "film_tanh": {"model.film_bound": "tanh"},
+    # HIBOU-B's own input statistics in place of ImageNet's (the tiny encoder was pretrained under ImageNet's)
+    "hibou_statistics": {"views.mean": [0.7068, 0.5755, 0.722], "views.std": [0.195, 0.2316, 0.1816]},
+    # FedStain's MixStyle on the tokens after the tiny encoder's last block (2 of 0-2) instead of block 0
+    "mixstyle_last_block": {"train.fedstain.mixstyle_after_layer": 2},
+}
+READING_ROOTS = ("train.readings.", "model.film_bound", "views.normalisation", "views.mean", "views.std",
+                 "train.fedstain.", "train.fedstain_code.")
+
+
+class SensitivityConfig(Strict):
+    """Which headline conclusions survive every reading of the study's unstated choices: each reading
+    retrained one at a time against one shared baseline (the pipeline's own readings), on the
+    embedded default (external cohort) and on the dose-response plain-encoder cohort at ``severity``."""
+
+    conclusions: list[tuple[Method, Method]] = Field(
+        default_factory=lambda: [("past_v2", "fedavg_peft"), ("past_v2", "v2_no_js"), ("past_v2", "fedstain")],
+        min_length=1, description="(method, reference) paired macro-F1 differences whose sign and CI are checked")
+    readings: dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: {k: dict(v) for k, v in DEFAULT_READINGS.items()}, min_length=1,
+        description="name -> {dotted config key: value}, each key under " + ", ".join(READING_ROOTS))
+    encoders: list[Literal["stain_invariant", "plain"]] = Field(
+        default_factory=lambda: ["stain_invariant", "plain"], min_length=1,
+        description="stain_invariant: the embedded default (main runs, external cohort); plain: the dose-response "
+                    "plain-encoder runs on the shifted cohort at `severity`")
+    severity: float = Field(1.5, ge=0, description="shifted-cohort severity of the plain-encoder condition")
+    seeds: list[int] = Field(default_factory=lambda: [11], min_length=1,
+                             description="seeds of every reading's runs (few: the readings are many)")
+
+    @model_validator(mode="after")
+    def _named(self) -> SensitivityConfig:
+        for name, keys in self.readings.items():
+            if not name.replace("_", "").isalnum() or not name.islower() or name == "baseline":
+                raise ValueError(f"experiments.sensitivity.readings: name {name!r} must be lower-case letters, "
+                                 "digits and underscores, and not 'baseline' (the shared reference)")
+            bad = [k for k in keys if not k.startswith(READING_ROOTS)] or ([] if keys else ["(none)"])
+            if bad:
+                raise ValueError(f"experiments.sensitivity.readings.{name}: key {bad[0]!r} is not a reading; "
+                                 f"readings set keys under {', '.join(READING_ROOTS)}")
+        return self
+
+    def methods(self) -> list[str]:
+        return list(dict.fromkeys(m for pair in self.conclusions for m in pair))
+
+
 class ExperimentsConfig(Strict):
     methods: list[Method] = Field(
         default_factory=lambda: ["fedavg_peft", "fedprox_peft", "past_v1", "past_v2", "fedstain"], min_length=1,
@@ -156,6 +213,7 @@ class ExperimentsConfig(Strict):
     leave_one_site_out: LeaveOneSiteOutConfig = LeaveOneSiteOutConfig()
     calibration: CalibrationConfig = CalibrationConfig()
     probe: ProbeConfig = ProbeConfig()
+    sensitivity: SensitivityConfig = SensitivityConfig()
     privacy_audit: PrivacyAuditConfig = PrivacyAuditConfig()
 
     @model_validator(mode="after")

@@ -69,3 +69,7 @@ class ModelConfig(Strict):
     adapter_dropout: float = Field(0.10, ge=0, lt=1)
     film_hidden: int = Field(64, ge=1)
     film_scale: float = Field(0.10, ge=0)
+    film_bound: Literal["unbounded", "tanh"] = Field(
+        "unbounded", json_schema_extra=IF_CHANGED,
+        description="[ours] FiLM 'scale fixed at 0.10, limiting the magnitude': unbounded, z (1 + s gamma) + s beta; "
+                    "tanh: z (1 + s tanh gamma) + s tanh beta, so the modulation never exceeds s")

@@ -233,3 +233,9 @@ register("scaffold", "fedhisto.methods.scaffold:Scaffold", "scaffold", settings=
 # FedAdam (Reddi et al. 2021; FedYogi/FedAdagrad via train.fedadam.variant): a server optimiser on the pseudo-gradient.
 register("fedadam", "fedhisto.methods.fedadam:FedAdam", "fedadam", settings="fedhisto.methods.fedadam:FedAdamConfig",
          comparison="v2_vs_fedadam")
+# Stain-augmented single-view arms (issue 23, not in the study; comparators): fedavg_peft and past_v1 with
+# v2's OD / brightness / contrast perturbation on their one view, so "v2 beats FedAvg-PEFT under stain
+# shift" can be told apart from "v2 saw stain augmentation".
+register("fedavg_peft_stain", _PAST, **_PAST_SETTINGS, stain_views=True, comparison="v2_vs_fedavg_stain")
+register("v1_stain", _PAST, **_PAST_SETTINGS, film=True, prototypes="v1", aggregation="adaptive", stain_views=True,
+         comparison="v2_vs_v1_stain")

@@ -70,6 +70,7 @@ def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
         return {"model": _model(cfg), "methods": [*cfg.train.methods, *cfg.train.ablations],
                 "targets": dump(cfg.partition_targets())}
     if stage == "shift_cohort":  # the dose-response cohort; the encoders crossed with it do not change its images
-        return {"dose_response": cfg.experiments.dose_response.model_dump(mode="json", exclude={"encoders"}),
+        shift = cfg.experiments.dose_response.model_dump(mode="json", exclude={"encoders", "extra_methods"})
+        return {"dose_response": shift,
                 "external_image_size": cfg.cohort.synthetic.external_image_size}
     raise ValueError(f"unknown stage {stage!r}")

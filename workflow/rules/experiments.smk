@@ -3,12 +3,14 @@
 # pipeline; one experiment alone: `snakemake results/experiments/<name>/<name>.json`. Retrained
 # conditions live in results/experiments/<experiment>/<condition>/ and run the main stages' scripts.
 from fedhisto.experiments import layout as X
+from fedhisto.experiments import sensitivity_layout as SX
 
 
 wildcard_constraints:
     condition=X.condition_pattern(),
     encoder=X.encoder_pattern(CFG),
     label=X.entry_pattern(CFG),
+    reading=SX.reading_pattern(CFG),
     audit=X.privacy_audit_pattern(CFG),
 
 
@@ -342,6 +344,99 @@ rule summarize_privacy_audit:
         "logs/experiments/summarize_privacy_audit.log",
     params:
         block=lambda wildcards: X.privacy_audit_block(CFG),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+# Sensitivity ("multiverse"): each reading of an unstated choice retrained one at a time against the
+# shared baseline (main / dose-response plain runs), for the two tiny encoder conditions.
+rule train_sensitivity:
+    input:
+        unpack(lambda wildcards: SX.train_inputs(CFG, wildcards.sencoder)),
+    output:
+        status=f"{SX.HERE}/{{sencoder}}/{{reading}}/train/{{method}}/seed{{seed}}/status.json",
+        history=f"{SX.HERE}/{{sencoder}}/{{reading}}/train/{{method}}/seed{{seed}}/history.csv",
+    wildcard_constraints:
+        sencoder="stain_invariant|plain",
+    log:
+        "logs/experiments/sensitivity/{sencoder}/{reading}/train/{method}/seed{seed}.log",
+    params:
+        block=lambda wildcards: stage_block(SX.reading_config(CFG, wildcards.reading), "train",
+                                            method=wildcards.method, seed=wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=train_mem_mb,
+        runtime=train_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule predict_sensitivity:
+    input:
+        unpack(lambda wildcards: SX.train_inputs(CFG, "stain_invariant")),
+        status=f"{SX.HERE}/stain_invariant/{{reading}}/train/{{method}}/seed{{seed}}/status.json",
+    output:
+        test=f"{SX.HERE}/stain_invariant/{{reading}}/predictions/{{method}}/seed{{seed}}/test.csv",
+        holdout=f"{SX.HERE}/stain_invariant/{{reading}}/predictions/{{method}}/seed{{seed}}/holdout.csv",
+        external=f"{SX.HERE}/stain_invariant/{{reading}}/predictions/{{method}}/seed{{seed}}/external.csv",
+    log:
+        "logs/experiments/sensitivity/stain_invariant/{reading}/predict/{method}/seed{seed}.log",
+    params:
+        block=lambda wildcards: stage_block(SX.reading_config(CFG, wildcards.reading), "predict",
+                                            method=wildcards.method, seed=wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule predict_sensitivity_shifted:
+    input:
+        unpack(lambda wildcards: SX.train_inputs(CFG, "plain")),
+        status=f"{SX.HERE}/plain/{{reading}}/train/{{method}}/seed{{seed}}/status.json",
+        cohort=SX.SHIFTED_COHORT,
+    output:
+        predictions=f"{SX.HERE}/plain/{{reading}}/predictions/{{method}}/seed{{seed}}/shifted.csv",
+    log:
+        "logs/experiments/sensitivity/plain/{reading}/predict/{method}/seed{seed}.log",
+    params:
+        block=lambda wildcards: SX.shifted_block(CFG, wildcards.reading, wildcards.method, wildcards.seed),
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/experiments.py"
+
+
+rule summarize_sensitivity:
+    input:
+        **SX.summary_inputs(CFG),
+    output:
+        **X.summary_files("sensitivity"),
+    log:
+        "logs/experiments/summarize_sensitivity.log",
+    params:
+        runs=[list(r) for r in SX.sensitivity_runs(CFG)],
+        block=X.experiment_block(CFG, "sensitivity"),
     threads: 1
     resources:
         mem_mb=2000,

@@ -3,6 +3,8 @@
 Each cell (encoder condition x severity x method) scores the seeds' ensemble on the same tissues
 rendered at that severity: macro-F1, balanced accuracy and ECE with 95 % bootstrap intervals,
 and the v2-vs-FedAvg-PEFT paired bootstrap difference of macro-F1 (the bootstrap stage's test).
+With an extra arm (``experiments.dose_response.extra_methods``, e.g. the stain-augmented
+``fedavg_peft_stain``) also v2 - arm and arm - FedAvg-PEFT: paired consistency, or just augmentation?
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ from fedhisto.provenance import provenance_block
 STAGE = "experiments"
 METRICS = ("macro_f1", "balanced_accuracy", "ece")
 DIFFERENCE = ("past_v2", "fedavg_peft")
+
+
+def difference_pairs(methods: list[str], extra: list[str]) -> list[tuple[str, str]]:
+    """(method, reference) of every paired difference: v2 - FedAvg-PEFT, then per extra arm v2 - arm
+    and arm - FedAvg-PEFT (what the arm's augmentation alone buys)."""
+    pairs = [DIFFERENCE]
+    for arm in extra:
+        if arm not in DIFFERENCE:
+            pairs += [(DIFFERENCE[0], arm), (arm, DIFFERENCE[1])]
+    return [p for p in dict.fromkeys(pairs) if set(p) <= set(methods)]
 
 
 def _severity_of(cohort_csv: str | Path) -> dict[str, float]:
@@ -62,20 +74,26 @@ def summarise_dose_response(runs: list[tuple[str, str, int, str]], cohort_csv: s
             reps = metric_replicates(y[sel], probs[sel], x.resamples, x.bootstrap_seed, x.calibration.bins)
             cells.append({"encoder": encoder, "severity": s, "method": method, "seeds": len(files[(encoder, method)]),
                           "images": int(sel.sum()), **summarise(reps, METRICS)})
+    pairs = difference_pairs(sorted({m for _, m in ensembles}), list(x.dose_response.extra_methods))
     for encoder in sorted({e for e, _ in ensembles}):
-        if all((encoder, m) in ensembles for m in DIFFERENCE):
-            (sev, y, pa), (_, _, pb) = (ensembles[(encoder, m)] for m in DIFFERENCE)
+        for pair in pairs:
+            if not all((encoder, m) in ensembles for m in pair):
+                continue
+            (sev, y, pa), (_, _, pb) = (ensembles[(encoder, m)] for m in pair)
             for s in x.dose_response.severities:
                 sel = sev == s
-                diffs.append({"encoder": encoder, "severity": s, "method": DIFFERENCE[0], "reference": DIFFERENCE[1],
+                diffs.append({"encoder": encoder, "severity": s, "method": pair[0], "reference": pair[1],
                               "images": int(sel.sum()),
                               **paired_macro_f1(y[sel], pa[sel], pb[sel], x.resamples, x.bootstrap_seed)})
+    principal = [d for d in diffs if (d["method"], d["reference"]) == DIFFERENCE]
     out = Path(out_dir)
     write_csv(out / "dose_response.csv", cells, list(cells[0]))
-    write_csv(out / "v2_vs_fedavg_by_severity.csv", diffs, list(diffs[0]) if diffs else ["encoder"])
+    write_csv(out / "v2_vs_fedavg_by_severity.csv", principal, list(principal[0]) if principal else ["encoder"])
+    write_csv(out / "paired_differences.csv", diffs, list(diffs[0]) if diffs else ["encoder"])
     _figure(cells, diffs, out / "dose_response.png")
     summary = {"design": x.dose_response.model_dump(mode="json"), "methods": sorted({m for _, m in ensembles}),
-               "seeds": list(x.seeds), "resamples": x.resamples, "cells": cells, "v2_vs_fedavg": diffs,
+               "seeds": list(x.seeds), "resamples": x.resamples, "cells": cells, "v2_vs_fedavg": principal,
+               "paired_differences": diffs,
                "provenance": provenance_block(STAGE, {"experiment": "dose_response", **x.model_dump(mode="json")},
                                               {"cohort": cohort_csv, **{f"run{i}": r[3] for i, r in enumerate(runs)}})}
     write_json(out / "dose_response.json", summary)
@@ -97,11 +115,15 @@ def _figure(cells: list[dict], diffs: list[dict], path: Path) -> None:
         plot_lines_with_bands(axes[0, col], xs, series)
         axes[0, col].set_title(f"encoder: {encoder}")
         axes[0, col].set_ylabel("ensemble macro-F1 (95 % CI)")
-        rows = sorted((d for d in diffs if d["encoder"] == encoder), key=lambda d: d["severity"])
-        if rows:
-            plot_lines_with_bands(axes[1, col], [r["severity"] for r in rows],
-                                  {"past_v2 - fedavg_peft": tuple(np.array([r[k] for r in rows])
-                                                                  for k in ("difference", "ci_low", "ci_high"))})
+        pairs = list(dict.fromkeys((d["method"], d["reference"]) for d in diffs if d["encoder"] == encoder))
+        curves = {}
+        for method, reference in pairs:
+            rows = sorted((d for d in diffs if d["encoder"] == encoder and (d["method"], d["reference"]) ==
+                           (method, reference)), key=lambda d: d["severity"])
+            curves[f"{method} - {reference}"] = tuple(np.array([r[k] for r in rows])
+                                                      for k in ("difference", "ci_low", "ci_high"))
+        if curves:
+            plot_lines_with_bands(axes[1, col], xs, curves)
         axes[1, col].axhline(0.0, color="grey", lw=0.8)
         axes[1, col].set_ylabel("paired macro-F1 difference (95 % CI)")
         axes[1, col].set_xlabel("shift severity (0: client site, 1: external site)")

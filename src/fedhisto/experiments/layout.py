@@ -14,7 +14,8 @@ from fedhisto.config_base import identity_dump
 from fedhisto.stage_config import stage_block
 
 ROOT = "results/experiments"
-EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe", "privacy_audit")
+EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe", "privacy_audit",
+               "sensitivity")
 PLAIN = "dose_response/plain"  # the dose-response condition trained on the plain encoder
 PLAIN_ENCODER = f"{ROOT}/dose_response/encoder_plain"
 
@@ -89,10 +90,16 @@ def condition_config(cfg: Config, condition: str) -> Config:
     return cfg.model_copy(update={"model": model, "views": cfg.views.model_copy(update=views)})
 
 
+def dose_methods(cfg: Config) -> list[str]:
+    """The dose-response experiment's methods: the principal ones and its extra arms."""
+    x = cfg.experiments
+    return list(dict.fromkeys([*x.methods, *x.dose_response.extra_methods]))
+
+
 def dose_runs(cfg: Config) -> list[tuple[str, str, int]]:
     """(condition, method, seed) whose external predictions the dose-response experiment re-scores."""
     x = cfg.experiments
-    return [(c, m, s) for c in encoder_conditions(cfg) for m in x.methods for s in x.seeds]
+    return [(c, m, s) for c in encoder_conditions(cfg) for m in dose_methods(cfg) for s in x.seeds]
 
 
 def leakage_runs(cfg: Config) -> list[tuple[str, str, int]]:

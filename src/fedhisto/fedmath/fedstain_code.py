@@ -92,3 +92,24 @@ def quantise_unit(x: torch.Tensor) -> torch.Tensor:
     """RGB on [0, 1] through the code's ``(x * 255).to(uint8) / 255`` (truncation) before AugMix;
     [ours] values are clamped to [0, 1] first, where the code's cast of out-of-range values wraps."""
     return torch.floor(x.clamp(0, 1) * 255) / 255
+
+
+def torchvision_augmix(unit: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+    """torchvision's ``AugMix()`` as the authors' code calls it (its defaults: severity 3, width 3,
+    depth 1-3, all operations including the colour and intensity ones) on each image of a batch of
+    RGB on [0, 1], as uint8; each image's torch draws come from a seed drawn from ``rng``, so a view
+    is reproducible like every other view here. Needs torchvision (the zoo lane)."""
+    try:
+        from torchvision.transforms import AugMix
+    except ImportError as err:  # never silently the morphology AugMix
+        raise RuntimeError("train.fedstain_code.augmix_ops: torchvision needs torchvision importable beside a "
+                           "matching torch (the README's zoo lane); without it use augmix_ops: morphology") from err
+    op = AugMix()
+    out = []
+    for img in unit:
+        seed = int(rng.integers(2**62))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            mixed = op(torch.round(img.clamp(0, 1) * 255).to(torch.uint8))
+        out.append(mixed.to(unit.dtype) / 255)
+    return torch.stack(out)

@@ -8,19 +8,26 @@ import torch
 import torch.nn.functional as F
 
 
-def class_balanced_weights(counts: Sequence[int], beta: float = 0.999, cap: float = 4.0) -> torch.Tensor:
+def class_balanced_weights(counts: Sequence[int], beta: float = 0.999, cap: float = 4.0,
+                           normalisation: str = "sample_mean") -> torch.Tensor:
     """Effective-number weights (Cui et al.): w_c = (1 - beta) / (1 - beta^n_c) for present classes.
 
     [ours, where the study is terse] "normalised over the client's available classes" is read as:
     the client's mean per-sample weight is 1 (sum_c n_c w_c / sum_c n_c = 1), so a rare class can
     exceed the majority's weight several-fold and the 4.0 cap can bind; with mean-over-classes
     normalisation three classes could never reach it. Absent classes get 0 (no oversampling).
+    ``normalisation="class_mean"`` (``train.readings.ce_weight_normalisation``) is that other reading:
+    the mean weight over the present classes is 1.
     """
+    if normalisation not in ("sample_mean", "class_mean"):
+        raise ValueError(f"class-balanced weight normalisation {normalisation!r}: sample_mean or class_mean")
     n = torch.tensor(list(counts), dtype=torch.float64)
     present = n > 0
     w = torch.zeros_like(n)
     w[present] = (1 - beta) / (1 - beta ** n[present])
-    if present.any():
+    if present.any() and normalisation == "class_mean":
+        w = w * present.sum() / w.sum()
+    elif present.any():
         w = w * n.sum() / (w * n).sum()
     return w.clamp(max=cap).float()
 

@@ -9,6 +9,11 @@
 
 where D_k is client k's update (its returned trainable state minus the global state, flattened).
 An empirical heuristic, not a trust score or a robustness guarantee.
+
+The study leaves open what D_k holds for a LoRA pair. By default it is the raw factor deltas
+(A_k - A, B_k - B), which depend on how delta-SVD split the last global product into factors;
+``induced_update`` is the other reading (``train.readings.adaptive_on: delta_w``): the induced
+weight change s (B_k A_k - B A), invariant to that split.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from fedhisto.fedmath.aggregate import lora_pairs
 
 
 class ClientWeights:
@@ -60,3 +67,17 @@ class Adaptive(ClientWeights):
         w = torch.clamp(w, min=self.floor)
         return (w / w.sum()).tolist()
 
+
+
+def induced_update(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+    """D_k with every LoRA pair as its induced dW = s (B_k A_k - B A) (float64, flattened) and every
+    other tensor as its plain delta, in key order."""
+    pairs = lora_pairs(list(reference))
+    paired = {k for p in pairs for k in p}
+    parts = []
+    for a_key, b_key in pairs:
+        new = state[b_key].double() @ state[a_key].double()
+        old = reference[b_key].double() @ reference[a_key].double()
+        parts.append((scaling * (new - old)).flatten())
+    parts += [(state[k].double() - reference[k].double()).flatten() for k in sorted(set(reference) - paired)]
+    return torch.cat(parts)

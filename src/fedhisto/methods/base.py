@@ -142,7 +142,7 @@ def named_rng(name: str, seed: int, *keys: int) -> np.random.Generator:
 
 
 def balanced_cross_entropy(logits: torch.Tensor, y: torch.Tensor, weights: torch.Tensor,
-                           nominal_batch: int | None = None) -> torch.Tensor:
+                           nominal_batch: int | None = None, reduction: str = "nominal_batch") -> torch.Tensor:
     """Class-balanced CE: sum_i w_{y_i} CE_i / B, with B the nominal batch size (``len(y)`` if not given).
 
     Not ``F.cross_entropy(weight=w)``: its mean divides by the batch's summed weights, so a micro-batch
@@ -150,7 +150,13 @@ def balanced_cross_entropy(logits: torch.Tensor, y: torch.Tensor, weights: torch
     that depends on the micro-batch size (about 2.6x at 4, 3.5x at 8 with weights that encode 5.5x).
     Dividing by the nominal size keeps each image's weight whatever its batch-mates are, and makes
     k micro-batches of size B/k accumulated (each loss divided by k) equal one batch of size B.
+    ``reduction="weighted_mean"`` (``train.readings.ce_reduction``) is PyTorch's weighted mean, the
+    other reading the sensitivity experiment retrains under.
     """
+    if reduction == "weighted_mean":
+        return F.cross_entropy(logits, y, weight=weights.to(logits.dtype))
+    if reduction != "nominal_batch":
+        raise ValueError(f"CE reduction {reduction!r}: nominal_batch or weighted_mean")
     per_image = F.cross_entropy(logits, y, reduction="none") * weights.to(logits.dtype)[y]
     return per_image.sum() / (nominal_batch if nominal_batch is not None else len(y))
 
@@ -164,6 +170,8 @@ class Method:
 
     film: bool = False              # the model carries stain-conditioned FiLM
     paired_views: bool = False      # two stain views per image: micro-batch x accumulation, else one batch
+    stain_single: bool | None = None  # a single view stain-perturbed (True), geometry only (False), or
+                                      # as ``views.single_view_stain`` says (None)
     exchanges_model: bool = True    # the trainable state travels down and up every round (Table 8)
     pre_uploads: bool = False       # participants upload before training (``upload_before_training``)
     post_uploads: bool = False      # participants upload after aggregation (``upload_after_aggregation``)
@@ -261,9 +269,9 @@ class Method:
         (``train.batched``) every member's views in one encoder pass."""
         if run.cfg.train.view_pipeline == "device":
             return BatchInputs(list(device_views(run.data, batch.idx, run.cfg.views, run.seed, batch.view_epoch,
-                                                 self.paired_views, run.device)))
+                                                 self.paired_views, run.device, self.stain_single)))
         views = [training_views(run.data.images[i], run.cfg.views, run.seed, batch.view_epoch, run.data.ids[i],
-                                self.paired_views) for i in batch.idx]
+                                self.paired_views, self.stain_single) for i in batch.idx]
         return BatchInputs([torch.stack([v[k] for v in views]) for k in range(len(views[0]))])
 
     def batch_terms(self, run: LocalRun, batch: Batch) -> dict[str, torch.Tensor]:
@@ -279,9 +287,11 @@ class Method:
     def terms_from_outputs(self, run: LocalRun, batch: Batch, logits: list[torch.Tensor],
                            zs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The loss terms from the views' float32 logits and embeddings (default: class-balanced CE
-        averaged over the views, plus ``extra_terms``)."""
-        terms = {"ce": sum(balanced_cross_entropy(lg, batch.y, run.ce_weights, run.nominal_batch)
-                           for lg in logits) / len(logits)}
+        averaged over the views, or summed as ``train.readings.ce_views`` says, plus ``extra_terms``)."""
+        readings = run.cfg.train.readings
+        ce = sum(balanced_cross_entropy(lg, batch.y, run.ce_weights, run.nominal_batch, readings.ce_reduction)
+                 for lg in logits)
+        terms = {"ce": ce if readings.ce_views == "sum" else ce / len(logits)}
         terms.update(self.extra_terms(run, batch, logits, zs))
         return terms
 

@@ -161,7 +161,7 @@ def fedstain_loss(logits: list[torch.Tensor], zs: list[torch.Tensor], y: torch.T
     every method here uses."""
     fs = cfg.train.fedstain
     return {
-        "ce": balanced_cross_entropy(logits[0], y, ce_weights, nominal_batch),
+        "ce": balanced_cross_entropy(logits[0], y, ce_weights, nominal_batch, cfg.train.readings.ce_reduction),
         "supcon": fs.weight_supcon * representation_alignment(zs[0], zs[1:], y, fs.supcon_tau),
         "js": fs.weight_js * js_multi(logits),
     }

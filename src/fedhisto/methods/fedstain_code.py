@@ -10,18 +10,22 @@ against the original with the anchor among its own positives; lambda1 = lambda2 
 
 [ours] on this architecture: the original view is the plain geometric training view every
 single-view method sees; CE is class-balanced like every method here; AugMix is the morphology
-AugMix the literal variant uses (torchvision's op set is not a dependency here); statistics are
-taken on the evaluation view of the sampled images.
+AugMix the literal variant uses by default (``augmix_ops: morphology``; torchvision is not a
+dependency); ``augmix_ops: torchvision`` is torchvision's ``AugMix()`` as the code calls it, where
+torchvision is importable (refused with a clear error elsewhere); statistics are taken on the
+evaluation view of the sampled images.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
 from fedhisto.config import Config
-from fedhisto.config_base import Strict
+from fedhisto.config_base import IF_CHANGED, Strict
 from fedhisto.fedmath.fedstain import augmix, js_multi, representation_alignment, style_traffic
 from fedhisto.fedmath.fedstain_code import (
     PixelMoments,
@@ -29,6 +33,7 @@ from fedhisto.fedmath.fedstain_code import (
     pixel_moments,
     pixel_style_shift,
     quantise_unit,
+    torchvision_augmix,
 )
 from fedhisto.methods.base import Batch, BatchInputs, LocalRun, Method, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
@@ -66,6 +71,10 @@ class FedStainCodeConfig(Strict):
     augmix_width: int = Field(3, ge=1)
     augmix_depth: int = Field(3, ge=1)
     augmix: bool = Field(True, description="ablation switch: off leaves the generated views as shifted pixels")
+    augmix_ops: Literal["morphology", "torchvision"] = Field(
+        "morphology", json_schema_extra=IF_CHANGED,
+        description="morphology: the literal variant's flips/rotations/zoom AugMix; torchvision: torchvision's "
+                    "AugMix() as the authors' code calls it (all ops, colour included; needs torchvision)")
 
 
 def generated_views(x: torch.Tensor, pool: PixelMoments, settings: FedStainCodeConfig, cfg: Config,
@@ -78,8 +87,11 @@ def generated_views(x: torch.Tensor, pool: PixelMoments, settings: FedStainCodeC
                                     clamp=settings.moment_clamp)
         if settings.augmix:
             unit = quantise_unit(to_unit(shifted, cfg.views))
-            shifted = from_unit(torch.stack([augmix(img, rng, settings.augmix_width, settings.augmix_depth)
-                                             for img in unit]), cfg.views)
+            if settings.augmix_ops == "torchvision":
+                shifted = from_unit(torchvision_augmix(unit, rng), cfg.views)
+            else:
+                shifted = from_unit(torch.stack([augmix(img, rng, settings.augmix_width, settings.augmix_depth)
+                                                 for img in unit]), cfg.views)
         out.append(shifted)
     return out
 
@@ -90,7 +102,8 @@ def fedstain_code_loss(logits: list[torch.Tensor], zs: list[torch.Tensor], y: to
     view against the original."""
     s = cfg.train.fedstain_code
     return {
-        "ce": sum(balanced_cross_entropy(lg, y, ce_weights, nominal_batch) for lg in logits),
+        "ce": sum(balanced_cross_entropy(lg, y, ce_weights, nominal_batch, cfg.train.readings.ce_reduction)
+                  for lg in logits),
         "supcon": s.weight_supcon * representation_alignment(zs[0], zs[1:], y, s.supcon_tau, include_self=True),
         "js": s.weight_js * js_multi(logits, eps=JS_EPS),
     }

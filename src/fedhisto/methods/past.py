@@ -25,8 +25,8 @@ from fedhisto.fedmath.prototypes import (
     client_prototypes,
     prototype_traffic,
 )
-from fedhisto.fedmath.weights import Adaptive, SampleMass
-from fedhisto.methods.base import Batch, LocalRun, Method, client_descriptors, zero_descriptors
+from fedhisto.fedmath.weights import Adaptive, SampleMass, induced_update
+from fedhisto.methods.base import Batch, LocalRun, Method, RoundUpdate, client_descriptors, zero_descriptors
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 from fedhisto.splits import Split, eval_batches
 
@@ -48,8 +48,14 @@ class PastFamily(Method):
     def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
                  prototypes: Literal["none", "v1", "v2"] = "none", paired_views: bool = False, js: bool = False,
                  feat: bool = False, aggregation: Literal["sample_mass", "adaptive"] = "sample_mass",
-                 proximal: bool = False) -> None:
+                 proximal: bool = False, stain_views: bool = False) -> None:
         super().__init__(name, cfg, config_key)
+        if stain_views and paired_views:
+            raise ValueError(f"method {name!r}: stain_views is the single-view arm's switch (paired views are "
+                             "stain-perturbed already)")
+        # issue 23: a stain-augmented single-view arm draws v2's first-view perturbation for its one view
+        # (views.training_views with stain_single=True); the others follow views.single_view_stain
+        self.stain_single = True if stain_views else None
         self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
         self.paired_views, self.js, self.feat = paired_views, js, feat
         self.aggregation, self.proximal = aggregation, proximal
@@ -67,6 +73,18 @@ class PastFamily(Method):
         if self.aggregation == "adaptive":
             return Adaptive(floor=self.settings.adaptive_floor)(counts, updates)
         return SampleMass()(counts, updates)
+
+    def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
+        """``train.readings.adaptive_on: delta_w``: the adaptive weights recomputed on the induced LoRA
+        updates s (B A - B0 A0) (the engine hands ``client_weights`` the raw factor deltas); the round's
+        recorded weights are these. Otherwise the default aggregation."""
+        if self.aggregation == "adaptive" and self.cfg.train.readings.adaptive_on == "delta_w":
+            names = sorted(update.states)
+            weights = Adaptive(floor=self.settings.adaptive_floor)(
+                [update.counts[n] for n in names],
+                [induced_update(update.states[n], update.starts[n], model.lora_scaling) for n in names])
+            update.weights.update(zip(names, weights, strict=True))
+        return super().aggregate_train(update, model)
 
     def extra_terms(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
         p = self.settings

@@ -139,7 +139,7 @@ def start_gradient(model: FedHistoModel, data: Split, cfg, device: torch.device)
     """g_i(x): the gradient of the class-balanced CE over all of ``data`` (evaluation views, no
     dropout) at the model's loaded state, per trainable tensor, on the host."""
     t = cfg.train
-    weights = class_balanced_weights(data.class_counts(), t.cb_beta, t.cb_cap).to(device)
+    weights = class_balanced_weights(data.class_counts(), t.cb_beta, t.cb_cap, t.readings.ce_weight_normalisation).to(device)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     for p in params.values():
         p.grad = None

@@ -40,9 +40,12 @@ class FiLM(nn.Module):
     influence is learned, bounded by the fixed modulation scale.
     """
 
-    def __init__(self, dim: int, hidden: int, scale: float, descriptor_dim: int = DESCRIPTOR_DIM) -> None:
+    def __init__(self, dim: int, hidden: int, scale: float, descriptor_dim: int = DESCRIPTOR_DIM,
+                 bound: str = "unbounded") -> None:
         super().__init__()
-        self.scale = scale
+        if bound not in ("unbounded", "tanh"):
+            raise ValueError(f"FiLM bound {bound!r}: unbounded or tanh (model.film_bound)")
+        self.scale, self.bound = scale, bound
         self.hidden = nn.Linear(descriptor_dim, hidden)
         self.act = nn.GELU()
         self.out = nn.Linear(hidden, 2 * dim)
@@ -51,6 +54,8 @@ class FiLM(nn.Module):
 
     def forward(self, z: torch.Tensor, descriptor: torch.Tensor) -> torch.Tensor:
         gamma, beta = self.out(self.act(self.hidden(descriptor))).chunk(2, dim=-1)
+        if self.bound == "tanh":  # model.film_bound: |modulation| <= scale, the study's "limiting the magnitude"
+            gamma, beta = torch.tanh(gamma), torch.tanh(beta)
         return z * (1 + self.scale * gamma) + self.scale * beta
 
 
@@ -76,7 +81,7 @@ class FedHistoModel(nn.Module):
             p.requires_grad_("lora_" in name)
         dim = encoder.dim
         self.adapter = ResidualAdapter(dim, cfg.adapter_hidden, cfg.adapter_dropout)
-        self.film = FiLM(dim, cfg.film_hidden, cfg.film_scale) if film else None
+        self.film = FiLM(dim, cfg.film_hidden, cfg.film_scale, bound=cfg.film_bound) if film else None
         self.classifier = nn.Linear(dim, N_CLASSES)
         self.lora_scaling = cfg.lora_alpha / cfg.lora_r
 

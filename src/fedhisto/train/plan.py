@@ -55,7 +55,8 @@ def local_run(model: FedHistoModel, job: MemberJob, cfg: Config, plan: LocalSche
     return LocalRun(model=model, data=job.data,
                     descriptor=job.descriptor.to(device)[None] if job.descriptor is not None else None,
                     payload=job.payload, start_state={k: v.to(device) for k, v in job.start_state.items()},
-                    params=params, ce_weights=class_balanced_weights(job.data.class_counts(), t.cb_beta, t.cb_cap).to(device),
+                    params=params, ce_weights=class_balanced_weights(job.data.class_counts(), t.cb_beta, t.cb_cap,
+                                                                        t.readings.ce_weight_normalisation).to(device),
                     nominal_batch=plan.micro_batch, cfg=cfg, seed=job.seed, round_idx=job.round_idx,
                     client_idx=job.client_idx, device=device)
 
