@@ -98,7 +98,7 @@ def test_compile_is_refused_under_the_sequential_engine():
     from fedhisto.config_base import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match=r"train\.compile.*train\.engine: batched"):
-        load_config({**CFG, "train": {**CFG["train"], "compile": True}})
+        load_config({**CFG, "train": {**CFG["train"], "compile": True, "engine": "sequential"}})
 
 
 # ------------------------------------------------------------------ torch.compile
