@@ -49,7 +49,7 @@ def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
     cfg["experiments"]["dose_response"].update(severities=[0.0, 1.0], images_per_class=5)
     cfg["experiments"]["leakage"].update(policies=["ignore_families", "representatives"], methods=["fedavg_peft"])
     cfg["experiments"]["leave_one_site_out"].update(left_out=["C1"], extra_methods=[])
-    cfg["experiments"]["sensitivity"] = {"conclusions": [["past_v2", "fedavg_peft"]], "seeds": [11],
+    cfg["experiments"]["sensitivity"] = {"conclusions": [["past_v2", "fedavg_peft"]], "seeds": [11], "severity": 1.0,
                                          "readings": {"ce_views_sum": {"train.readings.ce_views": "sum"}}}
     cfg["experiments"]["privacy_audit"].update(methods=["fedavg_peft"], noise_multipliers=[1.0], rounds=1,
                                                canaries_per_side=3)

@@ -133,3 +133,13 @@ def test_verdicts_flag_a_reading_that_flips_or_blurs_a_conclusion(tmp_path):
     rows = list(csv.DictReader((tmp_path / "out" / "verdicts.csv").open()))
     assert rows[0]["broken_by"] == "flips"
     assert (tmp_path / "out" / "sensitivity.png").stat().st_size > 0
+
+
+def test_a_sensitivity_severity_outside_the_dose_response_is_refused_at_load():
+    from fedhisto.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"experiments.sensitivity.severity 1.5 is not one of "
+                                          r"experiments.dose_response.severities \[0.0, 1.0\]"):
+        load_config({"experiments": {"dose_response": {"severities": [0.0, 1.0]}}})
+    assert load_config({"experiments": {"dose_response": {"severities": [0.0, 1.0]},
+                                        "sensitivity": {"severity": 1.0}}}).experiments.sensitivity.severity == 1.0

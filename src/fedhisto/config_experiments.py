@@ -222,4 +222,9 @@ class ExperimentsConfig(Strict):
         if missing:
             raise ValueError(f"experiments.methods must include {sorted(missing)}: every experiment reports "
                              "the v2-vs-FedAvg-PEFT difference")
+        sens, severities = self.sensitivity, self.dose_response.severities
+        if "plain" in sens.encoders and sens.severity not in severities:  # caught here, not after the training
+            raise ValueError(f"experiments.sensitivity.severity {sens.severity} is not one of "
+                             f"experiments.dose_response.severities {severities}: its plain-encoder condition "
+                             "is scored on the dose-response cohort at that severity")
         return self
