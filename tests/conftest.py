@@ -46,7 +46,9 @@ def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
     cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)
     # every experiment at its smallest: two methods, one seed, one left-out site, two severities
     cfg["experiments"].update(methods=["fedavg_peft", "past_v2"], seeds=[11], resamples=200)
-    cfg["experiments"]["dose_response"].update(severities=[0.0, 1.0], images_per_class=5)
+    # no stain-augmented arm: its stain-invariant condition is a main run the tiny config does not train
+    # (tests/test_dose_response_arms.py covers the arm)
+    cfg["experiments"]["dose_response"].update(severities=[0.0, 1.0], images_per_class=5, extra_methods=[])
     cfg["experiments"]["leakage"].update(policies=["ignore_families", "representatives"], methods=["fedavg_peft"])
     cfg["experiments"]["leave_one_site_out"].update(left_out=["C1"], extra_methods=[])
     cfg["experiments"]["sensitivity"] = {"conclusions": [["past_v2", "fedavg_peft"]], "seeds": [11], "severity": 1.0,
