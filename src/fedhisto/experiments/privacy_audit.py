@@ -48,6 +48,7 @@ from fedhisto.views import eval_view
 
 log = logging.getLogger(__name__)
 NAME = "privacy_audit"
+STAGE = "experiments"  # the Snakemake stage (rule file, script, results/experiments/) every experiment belongs to
 
 
 @dataclass
@@ -154,7 +155,7 @@ def run_condition(cfg: Config, condition: str, manifest_csv, identity_json, desc
     out = Path(out_json)
     results = [audit_method(cfg, condition, m, manifest_csv, identity_json, descriptors_json, out.parent.parent,
                             encoder_dir) for m in cfg.experiments.privacy_audit.methods]
-    prov = provenance_block(NAME, privacy_audit_block(cfg, condition), {"manifest": manifest_csv, "descriptors": descriptors_json})
+    prov = provenance_block(STAGE, privacy_audit_block(cfg, condition), {"manifest": manifest_csv, "descriptors": descriptors_json})
     doc = {"condition": condition, "results": results, "provenance": prov}
     write_json(out, doc)
     return doc
@@ -176,7 +177,7 @@ def summarise_privacy_audit(condition_jsons: list[str | Path], cfg: Config, out_
                         for part, v in (("", "value"), ("_low", "low"), ("_high", "high"))},
                      "empirical_epsilon_lower_bound": round(s["epsilon_lower_bound"]["value"], 4)})
     write_csv(out / f"{NAME}.csv", rows)
-    prov = provenance_block(NAME, privacy_audit_block(cfg), {Path(p).parent.name: p for p in condition_jsons})
+    prov = provenance_block(STAGE, privacy_audit_block(cfg), {Path(p).parent.name: p for p in condition_jsons})
     write_json(out / f"{NAME}.json", {"results": results, "provenance": prov})
     from fedhisto.experiments.privacy_figure import privacy_utility_figure
 
