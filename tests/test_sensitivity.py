@@ -140,6 +140,9 @@ def test_a_sensitivity_severity_outside_the_dose_response_is_refused_at_load():
 
     with pytest.raises(ConfigError, match=r"experiments.sensitivity.severity 1.5 is not one of "
                                           r"experiments.dose_response.severities \[0.0, 1.0\]"):
-        load_config({"experiments": {"dose_response": {"severities": [0.0, 1.0]}}})
+        load_config({"experiments": {"dose_response": {"severities": [0.0, 1.0]}, "sensitivity": {"severity": 1.5}}})
+    # unset, it is the largest dose-response severity, resolved at load (never a default the cohort lacks)
+    assert load_config({"experiments": {"dose_response": {"severities": [0.0, 1.0]}}}).experiments.sensitivity.severity == 1.0
+    assert load_config({}).experiments.sensitivity.severity == 2.0
     assert load_config({"experiments": {"dose_response": {"severities": [0.0, 1.0]},
                                         "sensitivity": {"severity": 1.0}}}).experiments.sensitivity.severity == 1.0

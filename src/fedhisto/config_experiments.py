@@ -180,7 +180,8 @@ class SensitivityConfig(Strict):
         default_factory=lambda: ["stain_invariant", "plain"], min_length=1,
         description="stain_invariant: the embedded default (main runs, external cohort); plain: the dose-response "
                     "plain-encoder runs on the shifted cohort at `severity`")
-    severity: float = Field(1.5, ge=0, description="shifted-cohort severity of the plain-encoder condition")
+    severity: float | None = Field(None, ge=0, description="shifted-cohort severity of the plain-encoder condition, "
+                                   "one of experiments.dose_response.severities; unset: the largest")
     seeds: list[int] = Field(default_factory=lambda: [11], min_length=1,
                              description="seeds of every reading's runs (few: the readings are many)")
 
@@ -223,6 +224,9 @@ class ExperimentsConfig(Strict):
             raise ValueError(f"experiments.methods must include {sorted(missing)}: every experiment reports "
                              "the v2-vs-FedAvg-PEFT difference")
         sens, severities = self.sensitivity, self.dose_response.severities
+        if sens.severity is None:  # resolved here so every reader (summary, figure, provenance) sees one number
+            sens = sens.model_copy(update={"severity": float(max(severities))})  # a copy: defaults are shared
+            object.__setattr__(self, "sensitivity", sens)
         if "plain" in sens.encoders and sens.severity not in severities:  # caught here, not after the training
             raise ValueError(f"experiments.sensitivity.severity {sens.severity} is not one of "
                              f"experiments.dose_response.severities {severities}: its plain-encoder condition "
