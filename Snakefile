@@ -27,6 +27,19 @@ include: "workflow/rules/accounting.smk"
 include: "workflow/rules/experiments.smk"
 
 
+# One warm process per local run imports torch, transformers and peft once for all jobs (fedhisto.warm).
+onstart:
+    start_warm_server(workflow)
+
+
+onsuccess:
+    stop_warm_server()
+
+
+onerror:
+    stop_warm_server()
+
+
 rule all:
     input:
         all_targets(),

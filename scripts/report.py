@@ -6,8 +6,8 @@ Standalone: ``python scripts/report.py --config config/config.yaml`` after the m
 from pathlib import Path
 
 from fedhisto.caveats import run_caveats
-from fedhisto.entry import from_argv, from_snakemake
-from fedhisto.report import run_report
+from fedhisto.entry import from_argv, from_snakemake, log_of
+from fedhisto.warm import call
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
@@ -15,11 +15,13 @@ if "snakemake" in globals():
     external: dict[str, list[str]] = {}
     for (method, _seed), path in zip(smk.params.runs, smk.input.external, strict=True):
         external.setdefault(method, []).append(path)
-    run_report(smk.input.metrics, list(smk.input.bootstrap), smk.input.communication, external,
-               Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent,
-               bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg))
+    call("fedhisto.report:run_report", smk.input.metrics, list(smk.input.bootstrap), smk.input.communication,
+         external, Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent,
+         bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg), log_path=log_of(smk))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
+    from fedhisto.report import run_report
+
     runs = config.train_runs()
     external: dict[str, list[str]] = {}
     for m, s in runs:

@@ -11,16 +11,16 @@ from pathlib import Path
 
 from fedhisto.caveats import log_caveats
 from fedhisto.config import load_config_file
-from fedhisto.entry import from_snakemake, setup_logging
-from fedhisto.train.stage import run_train
+from fedhisto.entry import from_snakemake, log_of, setup_logging
+from fedhisto.warm import call
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
     config = from_snakemake(smk)
     log_caveats(config, logging.getLogger("fedhisto.train"))  # a real cohort on the tiny encoder / short schedule
-    run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
-              smk.input.descriptors, config, Path(smk.output.status).parent,
-              encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
+    call("fedhisto.train.stage:run_train", smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest,
+         smk.input.identity, smk.input.descriptors, config, Path(smk.output.status).parent,
+         encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads, log_path=log_of(smk))
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="config/config.yaml")
@@ -36,5 +36,7 @@ elif __name__ == "__main__":
     setup_logging()
     config = load_config_file(args.config)
     log_caveats(config, logging.getLogger("fedhisto.train"))
+    from fedhisto.train.stage import run_train
+
     run_train(args.method, args.seed, args.manifest, args.identity, args.descriptors, config,
               args.out, encoder_dir=args.encoder_dir, threads=args.threads)

@@ -11,11 +11,13 @@ from typing import Any
 from fedhisto.config import Config, load_config, load_config_file
 
 
-def setup_logging(log_path: str | None = None) -> None:
+def setup_logging(log_path: str | None = None, append: bool = False) -> None:
+    """Log to stderr and, if given, to ``log_path`` (truncated, unless ``append``: a warm child continues the
+    log its job process began, :mod:`fedhisto.warm`)."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_path, mode="w"))
+        handlers.append(logging.FileHandler(log_path, mode="a" if append else "w"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=handlers, force=True)
     from fedhisto.progress import silence_library_bars_off_terminal
@@ -31,13 +33,18 @@ def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: Any) -> Non
     logging.getLogger("fedhisto").error("stage failed: %s: %s", kind.__name__, exc, exc_info=(kind, exc, tb))
 
 
+def log_of(smk: Any) -> str | None:
+    """The rule's log file, if it declares one."""
+    return smk.log[0] if len(smk.log) else None
+
+
 def from_snakemake(smk: Any) -> Config:
     """Typed config from a Snakemake ``snakemake`` object, with the rule's log set up and no live progress
     bars (jobs running side by side share one stderr; each step logs one line instead)."""
     from fedhisto.progress import disable_bars
 
     disable_bars()
-    setup_logging(smk.log[0] if len(smk.log) else None)
+    setup_logging(log_of(smk))
     return load_config(dict(smk.config), source="snakemake config")
 
 

@@ -14,7 +14,7 @@ rule audit_duplicates:
         "logs/clearance/audit_duplicates.log",
     params:
         block=stage_block(CFG, "clearance"),
-    threads: 2
+    threads: CLEARANCE_THREADS
     resources:
         mem_mb=8000,
         runtime=120,

@@ -9,12 +9,23 @@ from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.zoo import encoder_entry
 from fedhisto.stage_config import stage_block
+from fedhisto.warm import start_server, stop_server as stop_warm_server
 
 
 validate(config, schema="../schemas/config.schema.json", set_default=False)
 CFG = load_config(config, source="config (after --configfile/--config overrides)")
 
 ENV = "../../envs/fedhisto.yaml"
+# The embedded default's clearance (~500 images) takes one core, so that the tiny encoder's pretraining,
+# which needs no cohort, runs beside the cohort -> clearance -> manifest -> stain chain on a 2-core laptop.
+CLEARANCE_THREADS = 1 if CFG.cohort.mode == "synthetic" else 2
+
+
+def start_warm_server(wf):
+    """Local runs only: cluster jobs run on other hosts under the scheduler's limits, conda jobs under
+    another interpreter; they all start cold, as does any job with FEDHISTO_WARM=0."""
+    if wf.local_exec and not wf.remote_exec and not wf.deployment_settings.deployment_method:
+        start_server("logs/warm_server.log")
 
 
 wildcard_constraints:

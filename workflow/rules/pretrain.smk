@@ -12,7 +12,7 @@ rule pretrain_encoder:
         "logs/pretrain/pretrain_encoder.log",
     params:
         block=stage_block(CFG, "pretrain"),
-    threads: 2
+    threads: 1  # beside the cohort -> clearance -> manifest -> stain chain, which does not wait for it
     resources:
         mem_mb=3000,
         runtime=30,

@@ -1,0 +1,345 @@
+"""Warm stage processes: import torch, transformers and peft once per local Snakemake run, not once per job.
+
+Every torch stage job used to spend 3-4 s of CPU importing torch, transformers and peft (peft alone pulls in
+transformers' auto classes, ``torch.distributed.tensor`` and sympy) before its first useful line; the embedded
+default runs about 75 such jobs on 2 cores. Under a local Snakemake run the Snakefile's ``onstart`` starts one
+*warm server* (:func:`start_server`): a process that imports those libraries and the stage modules once, then,
+for each job, forks a child that runs the job's stage function. A fork is a copy of the warm process, so the child
+starts with everything imported and nothing computed.
+
+What a child is, and why its results are those of a fresh process:
+
+- it runs ``module:function`` with the job's pickled arguments, in the job's working directory and with the job's
+  environment (``os.environ`` replaced by the client's), its stdin/stdout/stderr the job's own file descriptors
+  (passed over the socket), its log file set up by the job (:func:`fedhisto.entry.setup_logging`, appending);
+- the server computes nothing: it never runs a torch operation, so no intra-op thread pool, CUDA context or
+  random draw is inherited; the child reseeds the unseeded global generators (Python's, NumPy's, torch's) from the
+  OS as a fresh process does, and the stage sets its threads and seeds as it does in a fresh process
+  (``tests/test_warm.py`` checks a training run's files are byte-identical either way);
+- it lives exactly as long as the job: the job process waits on the socket, and a thread in the child ends the
+  child the moment that socket closes (the job killed by Snakemake, ``kill -9`` or a signal), so killing a job
+  kills its work as before, and a checkpointed run resumes as before;
+- its exit status becomes the job's: an exception is logged to the job's log (as a fresh job logs it) and the
+  job exits 1.
+
+The server runs only for local execution (never under a cluster executor, where jobs run on other hosts and
+under the scheduler's limits, nor with ``--use-conda``, whose jobs use another interpreter), listens on a socket
+in a private (0700) temporary folder named in ``FEDHISTO_WARM_SOCKET``, ends when Snakemake ends (``onsuccess`` /
+``onerror``, or when its parent process is gone), and imports the code as it was when the run started. A job that
+finds no server (not started, not ready yet, ``FEDHISTO_WARM=0``) runs in its own process, as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import logging
+import os
+import pickle
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ENV_SOCKET = "FEDHISTO_WARM_SOCKET"
+ENV_SWITCH = "FEDHISTO_WARM"  # "0": no server, every job in its own process
+#: What the server imports before it listens: what the torch stages' start-up spends its time on.
+PRELOAD = ("torch", "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers", "peft",
+           "fedhisto.train.stage", "fedhisto.predict", "fedhisto.pretrain", "fedhisto.accounting", "fedhisto.stain",
+           "fedhisto.metrics", "fedhisto.bootstrap", "fedhisto.report")
+_HEADER = struct.Struct("!Q")
+_SHUTDOWN = "__shutdown__"
+_STARTED: list[str] = []  # sockets of the servers this process started (and so stops)
+log = logging.getLogger(__name__)
+
+
+class WarmJobFailed(RuntimeError):
+    """The forked child of a job ended without a reply (killed, or crashed below Python)."""
+
+
+def _resolve(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    if not module or not name:
+        raise ValueError(f"warm target {target!r} must be 'package.module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a :class:`fedhisto.config.Config` as its JSON dump, re-validated on the other side: the registry's
+    per-method config classes are built at run time and cannot be pickled by reference (the dump round-trips to
+    an equal config, ``tests/test_warm.py``)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        config = sys.modules.get("fedhisto.config")
+        if config is not None and isinstance(obj, config.Config):
+            return _config_from_dump, (obj.model_dump(mode="json"),)
+        return NotImplemented
+
+
+def _config_from_dump(dump: dict) -> Any:
+    from fedhisto.config import load_config
+
+    return load_config(dump, source="warm job (the job's validated config)")
+
+
+def _dumps(payload: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+    return buffer.getvalue()
+
+
+def _send(conn: socket.socket, payload: Any, fds: list[int] | None = None) -> None:
+    data = _dumps(payload)
+    header = _HEADER.pack(len(data))
+    if fds:
+        socket.send_fds(conn, [header], fds)
+    else:
+        conn.sendall(header)
+    conn.sendall(data)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = conn.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError("warm socket closed mid-message")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(conn: socket.socket, with_fds: int = 0) -> tuple[Any, list[int]]:
+    if with_fds:
+        header, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, with_fds)
+        if len(header) < _HEADER.size:
+            header += _recv_exact(conn, _HEADER.size - len(header))
+    else:
+        header, fds = _recv_exact(conn, _HEADER.size), []
+    (size,) = _HEADER.unpack(header)
+    return pickle.loads(_recv_exact(conn, size)), list(fds)
+
+
+# --------------------------------------------------------------------------------------------- client side
+def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) -> Any:
+    """Run ``target`` (``'package.module:function'``) with these arguments: in a warm child when a server
+    is reachable, else here. Returns what the function returns."""
+    path = os.environ.get(ENV_SOCKET)
+    conn = None
+    if path and os.environ.get(ENV_SWITCH, "1") != "0":
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+        except OSError:  # no server (not ready yet, or gone): this job runs in its own process, as before
+            conn.close()
+            conn = None
+    if conn is None:
+        return _resolve(target)(*args, **kwargs)
+    with conn:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        request = {"target": target, "args": args, "kwargs": kwargs, "cwd": os.getcwd(), "env": dict(os.environ),
+                   "log_path": log_path, "client_pid": os.getpid()}
+        _send(conn, request, [0, 1, 2])
+        try:
+            reply, _ = _recv(conn)
+        except EOFError:
+            raise WarmJobFailed(f"the warm child running {target} ended without a reply (killed, or it crashed; "
+                                f"see the job's log{f' {log_path}' if log_path else ''})") from None
+    if reply["status"] == "ok":
+        return reply["value"]
+    raise SystemExit(reply["code"])  # its traceback is in the job's log, written by the child
+
+
+# --------------------------------------------------------------------------------------------- child side
+def _watch_client(conn: socket.socket) -> None:
+    """End this child the moment its job process is gone (the socket closes): a killed job kills its work."""
+    try:
+        while conn.recv(1 << 12):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _reseed_global_generators() -> None:
+    """Fresh entropy for the unseeded global generators, as a fresh process gets (torch seeds its default
+    generator from the OS at start-up): a fork would otherwise hand every child the server's one state."""
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+
+
+def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    for target_fd, fd in zip((0, 1, 2), fds, strict=True):
+        os.dup2(fd, target_fd)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    threading.Thread(target=_watch_client, args=(conn,), daemon=True).start()
+    _reseed_global_generators()
+    from fedhisto.entry import setup_logging
+    from fedhisto.progress import disable_bars
+
+    disable_bars()
+    setup_logging(request["log_path"], append=True)
+    try:
+        value = _resolve(request["target"])(*request["args"], **request["kwargs"])
+        reply: dict[str, Any] = {"status": "ok", "value": value}
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        reply = {"status": "exit", "code": code} if code else {"status": "ok", "value": None}
+    except BaseException as exc:
+        logging.getLogger("fedhisto").error("stage failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+        reply = {"status": "exit", "code": 1}
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    try:
+        _send(conn, reply)
+    except (pickle.PicklingError, TypeError, AttributeError):  # an unpicklable return value: the job still ends
+        _send(conn, {"status": "ok", "value": None})
+    return 0 if reply["status"] == "ok" else int(reply["code"])
+
+
+# --------------------------------------------------------------------------------------------- server side
+def serve(socket_path: str, parent_pid: int | None, preload: tuple[str, ...] = PRELOAD, idle_s: float = 0.5) -> None:
+    """Import ``preload``, listen on ``socket_path``, fork one child per request until told to stop or until
+    ``parent_pid`` is gone."""
+    for name in preload:
+        importlib.import_module(name)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path + ".tmp")
+    os.chmod(socket_path + ".tmp", 0o600)
+    server.listen(64)
+    os.replace(socket_path + ".tmp", socket_path)  # a client connects only once the server listens
+    log.info("warm server %d listening on %s (preloaded %s)", os.getpid(), socket_path, ", ".join(preload))
+    try:
+        while True:
+            _reap()
+            if parent_pid is not None and not _alive(parent_pid):
+                log.info("warm server: parent %d is gone, stopping", parent_pid)
+                return
+            ready, _, _ = select.select([server], [], [], idle_s)
+            if not ready:
+                continue
+            conn, _ = server.accept()
+            try:
+                request, fds = _recv(conn, with_fds=3)
+            except (EOFError, OSError, pickle.UnpicklingError) as exc:
+                log.warning("warm server: unreadable request (%s), ignored", exc)
+                conn.close()
+                continue
+            if request.get("target") == _SHUTDOWN:
+                conn.close()
+                return
+            pid = os.fork()
+            if pid == 0:  # the child: never returns into the server's loop
+                code = 1
+                try:
+                    server.close()
+                    code = _run_child(conn, request, fds)
+                finally:
+                    os._exit(code)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            log.info("warm server: %s for pid %s in child %d", request["target"], request.get("client_pid"), pid)
+    finally:
+        server.close()
+        Path(socket_path).unlink(missing_ok=True)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_server(log_file: str | Path | None = None) -> str | None:
+    """Start a warm server for this process's jobs and name it in ``FEDHISTO_WARM_SOCKET``; returns the socket
+    path (``None`` when ``FEDHISTO_WARM=0``). It does not wait: jobs before it listens run cold."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if os.environ.get(ENV_SOCKET):  # a server started around this run (a test, a wrapper) serves its jobs
+        return os.environ[ENV_SOCKET]
+    folder = tempfile.mkdtemp(prefix="fedhisto-warm-")  # mode 0700: only this user reaches the socket
+    path = os.path.join(folder, "socket")
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+    try:
+        subprocess.Popen([sys.executable, "-m", "fedhisto.warm", "serve", "--socket", path, "--parent",
+                          str(os.getpid())], stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    finally:
+        if log_file:
+            out.close()
+    os.environ[ENV_SOCKET] = path
+    _STARTED.append(path)
+    return path
+
+
+def stop_server() -> None:
+    """Stop the server :func:`start_server` started here (children still running finish their jobs)."""
+    if not _STARTED:
+        return
+    path = _STARTED.pop()
+    os.environ.pop(ENV_SOCKET, None)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(path)
+            _send(conn, {"target": _SHUTDOWN}, [0, 1, 2])
+    except OSError:
+        pass  # not listening yet, or gone: it also stops when its parent ends
+    deadline = time.monotonic() + 5
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedhisto.warm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run a warm server (the Snakefile's onstart starts one)")
+    s.add_argument("--socket", required=True)
+    s.add_argument("--parent", type=int, default=None, help="stop when this process is gone")
+    s.add_argument("--preload", nargs="*", default=list(PRELOAD), help="modules to import before listening")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally block removes the socket
+    serve(args.socket, args.parent, tuple(args.preload))
+
+
+if __name__ == "__main__":
+    main()

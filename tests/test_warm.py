@@ -1,0 +1,148 @@
+"""The warm server (fedhisto.warm): a job's work runs in a forked child with the job's cwd, environment,
+file descriptors and log, returns what the function returns, fails as the job, dies with the job, and trains
+exactly as a fresh process does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedhisto import warm
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(TESTS), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server on this test's socket (preloading torch only), stopped at the end."""
+    folder = tmp_path_factory.mktemp("warm")
+    sock = str(folder / "s")  # short: AF_UNIX paths are limited to ~107 bytes
+    proc = subprocess.Popen([sys.executable, "-m", "fedhisto.warm", "serve", "--socket", sock, "--parent",
+                             str(os.getpid()), "--preload", "torch"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sock):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "warm server did not start listening"
+        time.sleep(0.1)
+    yield {"socket": sock, "pid": proc.pid}
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+
+
+def _client(code: str, server: dict | None, tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    env = _env(**extra)
+    if server:
+        env[warm.ENV_SOCKET] = server["socket"]
+    else:
+        env.pop(warm.ENV_SOCKET, None)
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+CALL = ("import json, sys\nfrom fedhisto.warm import call\nfrom fedhisto.entry import setup_logging\n"
+        "setup_logging('job.log')\n")
+
+
+def test_a_child_runs_in_the_jobs_cwd_environment_streams_and_log(server, tmp_path: Path):
+    code = CALL + "print(json.dumps(call('warm_targets:describe', 'M1', log_path='job.log')))"
+    proc = _client(code, server, tmp_path, WARM_TEST_VALUE="from the job")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "stdout from the child M1"  # the child writes to the job's own stdout
+    out = json.loads(lines[-1])
+    assert out["pid"] not in (server["pid"], os.getpid())
+    assert out["cwd"] == str(tmp_path) and out["env"] == "from the job"
+    assert "log line from the child M1" in (tmp_path / "job.log").read_text()
+    assert "log line from the child M1" in proc.stderr
+    again = json.loads(_client(code, server, tmp_path).stdout.splitlines()[-1])
+    assert again["pid"] != out["pid"]
+    # unseeded, each child draws its own numbers, as two fresh processes do (torch seeds from the OS)
+    assert again["draw"] != out["draw"]
+
+
+def test_without_a_server_or_switched_off_the_job_runs_in_its_own_process(server, tmp_path: Path):
+    code = CALL + "import os\nprint(json.dumps([os.getpid(), call('warm_targets:describe', 'M2')['pid']]))"
+    alone = json.loads(_client(code, None, tmp_path).stdout.splitlines()[-1])
+    off = json.loads(_client(code, server, tmp_path, FEDHISTO_WARM="0").stdout.splitlines()[-1])
+    assert alone[0] == alone[1] and off[0] == off[1]
+    gone = {"socket": str(tmp_path / "no-server"), "pid": -1}  # a stale name: the job still runs, cold
+    stale = json.loads(_client(code, gone, tmp_path).stdout.splitlines()[-1])
+    assert stale[0] == stale[1]
+
+
+def test_an_exception_in_the_child_fails_the_job_with_its_traceback_in_the_log(server, tmp_path: Path):
+    proc = _client(CALL + "call('warm_targets:fail', 'bad value 42', log_path='job.log')", server, tmp_path)
+    assert proc.returncode == 1
+    log = (tmp_path / "job.log").read_text()
+    assert "stage failed: ValueError: bad value 42" in log and "Traceback" in log
+
+
+def test_a_config_crosses_as_an_equal_config(server, tmp_path: Path):
+    from fedhisto.config import load_config_file
+
+    code = (CALL + "from fedhisto.config import load_config_file\n"
+            f"cfg = load_config_file({str(REPO / 'config/config.yaml')!r})\n"
+            "print(call('warm_targets:config_dump', cfg))")
+    proc = _client(code, server, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == load_config_file(REPO / "config/config.yaml").model_dump_json()
+
+
+def test_killing_the_job_kills_its_child(server, tmp_path: Path):
+    pid_file = tmp_path / "child.pid"
+    client = subprocess.Popen([sys.executable, "-c", CALL + f"call('warm_targets:sleep_forever', {str(pid_file)!r})"],
+                              cwd=tmp_path, env={**_env(), warm.ENV_SOCKET: server["socket"]})
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert child != client.pid
+    client.kill()  # as kill -9 of the job, or Snakemake ending it
+    client.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "the child outlived its job"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
+
+
+def test_a_warm_training_run_writes_the_files_of_a_fresh_process(server, prepared, tmp_path: Path):
+    """The same run of the training stage, through the server and in a process of its own: same bytes."""
+    out = {}
+    for name, srv in (("warm", server), ("cold", None)):
+        code = (CALL + "from fedhisto.config import load_config_file\n"
+                f"cfg = load_config_file({str(prepared['config'])!r})\n"
+                f"call('fedhisto.train.stage:run_train', 'past_v2', 11, {str(prepared['manifest'])!r}, "
+                f"{str(prepared['identity'])!r}, {str(prepared['descriptors'])!r}, cfg, {str(tmp_path / name)!r})")
+        proc = _client(code, srv, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        out[name] = tmp_path / name
+    assert json.loads((out["warm"] / "report.json").read_text())["pid"] != json.loads(
+        (out["cold"] / "report.json").read_text())["pid"]
+    for f in ("validation_predictions.csv",):
+        assert (out["warm"] / f).read_bytes() == (out["cold"] / f).read_bytes()
+    strip = lambda p: [line.rsplit(",", 1)[0] for line in p.read_text().splitlines()]  # noqa: E731 - wall_s last
+    assert strip(out["warm"] / "history.csv") == strip(out["cold"] / "history.csv")
