@@ -272,3 +272,43 @@ def test_flower_engine_refuses_kept_by_name():
     with pytest.raises(ValueError, match=r"train\.readings\.optimizer_state: kept"):
         check_federable(build_method("fedavg_peft", config("kept")), ["C1", "C2"])
 
+
+
+def test_dp_sgd_sites_keep_their_state_and_resume_it(tmp_path):
+    """DP-SGD (sequential): the kept moments are functions of the noised gradients only (post-processing,
+    no epsilon changes); a site keeps them beside its ledger and a stopped run resumes bitwise."""
+    from fedhisto.train.private import PrivateSites
+
+    privacy = {"enabled": True, "noise_multiplier": 1.1, "clip_norm": 0.5, "sample_rate": 0.5, "delta": 1e-3,
+               "micro_batch": 4, "noise_seed": "run"}
+
+    def dp_drive(reading: str, tag: str, **hooks):
+        cfg = load_config({**CFG, "privacy": privacy, "train": {**CFG["train"], "max_rounds": 2, "local_epochs": 1,
+                                                                "engine": "sequential", "methods": ["fedavg_peft"],
+                                                                "ablations": [], "ablation_seeds": [],
+                                                                "readings": {"optimizer_state": reading}},
+                           "bootstrap": {"comparisons": {}}})
+        method = build_method("fedavg_peft", cfg)
+        torch.manual_seed(0)
+        model = FedHistoModel(random_encoder("tiny"), cfg.model, film=False)
+        parts = InProcess(model=model, method=method, clients=CLIENTS, validation=split(6, 9),
+                          descriptors=method.descriptors(None, NAMES), cfg=cfg, seed=11, device=DEVICE,
+                          private=PrivateSites.start(cfg, method, CLIENTS, None, 11))
+        identity = {"method": "fedavg_peft", "seed": 11, "config_hash": reading, "dataset_identity": "t",
+                    "descriptor_digest": "t", "encoder_digest": "t"}
+        return run_rounds(method, parts, model, cfg, identity, tmp_path / f"{tag}.pt", **hooks)
+
+    whole = dp_drive("kept", "whole")
+    assert sorted(whole["participants"]) == ["optimizer", "privacy"] and sorted(whole["participants"]["optimizer"]) == NAMES
+    with pytest.raises(KeyboardInterrupt):
+        dp_drive("kept", "stopped", stop_after_round=1)
+    resumed = dp_drive("kept", "stopped")
+    assert resumed["resumed_at_rounds"] == [1]
+    a, b = whole["members"]["global"], resumed["members"]["global"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    per_round = dp_drive("per_round", "per_round")
+    assert "optimizer" not in per_round["participants"]
+    assert max_gap(per_round["members"]["global"], a) > 10 * ATOL
+    # the same ledger either way: keeping the moments spends no privacy
+    eps = [c["history"][-1]["privacy"]["epsilon"] for c in (whole, per_round)]
+    assert eps[0] == eps[1]
