@@ -312,3 +312,31 @@ def test_dp_sgd_sites_keep_their_state_and_resume_it(tmp_path):
     # the same ledger either way: keeping the moments spends no privacy
     eps = [c["history"][-1]["privacy"]["epsilon"] for c in (whole, per_round)]
     assert eps[0] == eps[1]
+
+
+def test_the_training_stage_resumes_a_kept_run_bitwise_and_names_the_reading(prepared, tmp_path):
+    """Through ``run_train`` (the pipeline's stage, default batched engine): the reading is in the run
+    identity, the checkpoint carries every client's state, and a run stopped after round 1 resumes to
+    the uninterrupted one bitwise (predictions included)."""
+    from conftest import train
+
+    base = prepared["cfg"]
+    cfg = base.model_copy(update={"train": base.train.model_copy(update={
+        "max_rounds": 2, "readings": base.train.readings.model_copy(update={"optimizer_state": "kept"})})})
+    whole = tmp_path / "whole"
+    summary = train(prepared, "fedavg_peft", whole, cfg=cfg)
+    from fedhisto.provenance import config_hash
+
+    def run_hash(c):
+        return config_hash(stage_block(c, "train", method="fedavg_peft", seed=11))
+    assert summary["identity"]["config_hash"] == run_hash(cfg) != run_hash(base)
+    stopped = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        train(prepared, "fedavg_peft", stopped, cfg=cfg, stop_after_round=1)
+    saved = torch.load(stopped / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert sorted(saved["participants"]["optimizer"]) == ["C1", "C2", "C3", "C4", "C5"]
+    assert train(prepared, "fedavg_peft", stopped, cfg=cfg)["resumed_at_rounds"] == [1]
+    a, b = (torch.load(d / "checkpoint.pt", map_location="cpu", weights_only=False)["members"]["global"]
+            for d in (whole, stopped))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (whole / "validation_predictions.csv").read_bytes() == (stopped / "validation_predictions.csv").read_bytes()
