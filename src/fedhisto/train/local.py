@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fedhisto.config import Config
-from fedhisto.methods.base import Method
+from fedhisto.methods.base import LocalSchedule, Method
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.splits import Split
 from fedhisto.train.optimizer_state import OptimizerState, keeps_state, load_into, read_from
@@ -67,7 +67,7 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
     return LocalResult(model.trainable_state(), len(data), losses.means(), updates, kept_state(opt, params, cfg))
 
 
-def make_optimizer(plan, params: dict[str, torch.Tensor], job: MemberJob, cfg: Config) -> torch.optim.Optimizer:
+def make_optimizer(plan: LocalSchedule, params: dict[str, torch.Tensor], job: MemberJob, cfg: Config) -> torch.optim.Optimizer:
     """The round's optimiser over ``params``: fresh, or (kept) continuing from the job's kept state."""
     opt = OPTIMIZERS[plan.optimizer](params.values(), lr=plan.lr, weight_decay=plan.weight_decay)
     if job.optimizer_state is not None:
