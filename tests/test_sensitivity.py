@@ -25,6 +25,7 @@ def test_readings_apply_their_values_and_bad_keys_are_named():
     assert SX.reading_config(cfg, "baseline") is cfg
     assert SX.reading_config(cfg, "ce_views_sum").train.readings.ce_views == "sum"
     assert SX.reading_config(cfg, "film_tanh").model.film_bound == "tanh"
+    assert SX.reading_config(cfg, "adamw_kept").train.readings.optimizer_state == "kept"
     hibou = SX.reading_config(cfg, "hibou_statistics").views
     assert hibou.mean == pytest.approx((0.7068, 0.5755, 0.722)) and hibou.std[0] == pytest.approx(0.195)
     assert SX.reading_config(cfg, "ce_views_sum").train.methods == cfg.train.methods  # nothing else moves
@@ -62,6 +63,8 @@ def test_which_methods_a_reading_retrains_and_what_stands_for_the_rest():
     assert affected["mixstyle_last_block"] == {"fedstain"}
     assert affected["ce_class_mean"] == affected["ce_weighted_mean"] == affected["hibou_statistics"] == {
         "past_v2", "fedavg_peft", "v2_no_js", "fedstain"}
+    # every method's local training runs AdamW, so keeping its state retrains every method
+    assert affected["adamw_kept"] == {"past_v2", "fedavg_peft", "v2_no_js", "fedstain"}
     f = SX.prediction_file
     assert f(cfg, "stain_invariant", "baseline", "past_v2", 11) == "results/predictions/past_v2/seed11/external.csv"
     assert f(cfg, "stain_invariant", "ce_views_sum", "fedavg_peft", 11) == f(cfg, "stain_invariant", "baseline",
@@ -73,9 +76,9 @@ def test_which_methods_a_reading_retrains_and_what_stands_for_the_rest():
     assert f(cfg, "plain", "baseline", "v2_no_js", 11) == \
         "results/experiments/sensitivity/plain/baseline/predictions/v2_no_js/seed11/shifted.csv"
     runs = SX.sensitivity_runs(cfg)
-    assert len(runs) == 2 * 8 * 4
+    assert len(runs) == 2 * 9 * 4  # encoders x (baseline + 8 readings) x methods
     own = {r[4] for r in runs if r[4].startswith(SX.HERE)}
-    assert len(own) == 39  # the design's count (docs/experiments.md)
+    assert len(own) == 47  # the design's count (docs/experiments.md)
 
 
 def test_an_unaffected_method_trains_bitwise_as_its_baseline(prepared, tmp_path):

@@ -160,6 +160,8 @@ DEFAULT_READINGS: dict[str, dict[str, Any]] = {
     "hibou_statistics": {"views.mean": [0.7068, 0.5755, 0.722], "views.std": [0.195, 0.2316, 0.1816]},
     # FedStain's MixStyle on the tokens after the tiny encoder's last block (2 of 0-2) instead of block 0
     "mixstyle_last_block": {"train.fedstain.mixstyle_after_layer": 2},
+    # each client's AdamW moments and step count kept from one round's local training to the next
+    "adamw_kept": {"train.readings.optimizer_state": "kept"},
 }
 READING_ROOTS = ("train.readings.", "model.film_bound", "views.normalisation", "views.mean", "views.std",
                  "train.fedstain.", "train.fedstain_code.")

@@ -37,3 +37,9 @@ class ReadingsConfig(Strict):
         "factors", json_schema_extra=IF_CHANGED,
         description="adaptive client weights (eq. 4) computed on the raw LoRA factor deltas (A and B), or on the "
                     "induced dW = s (B A - B0 A0), which does not depend on delta-SVD's factor split")
+    optimizer_state: Literal["per_round", "kept"] = Field(
+        "per_round", json_schema_extra=IF_CHANGED,
+        description="each client's AdamW created afresh at every round's local training (per_round), or its "
+                    "moments and step count kept by the client from its previous local training to the next "
+                    "(kept: never sent to the server; fedhisto.train.optimizer_state). In-process engines "
+                    "(sequential, batched, DP-SGD) only: a Flower site keeps no state between messages")

@@ -45,6 +45,7 @@ from fedhisto.provenance import provenance_block, runtime_block
 from fedhisto.stage_config import stage_block
 from fedhisto.train.local import LocalResult
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable, run_rounds
+from fedhisto.train.optimizer_state import federation_refusal
 from fedhisto.train.stage import STAGE, finalise_run, run_identity
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ def check_federable(method: Method, sites: list[str]) -> None:
     if method.cfg.privacy.enabled:  # the ledger and secret noise seed live in the in-process run's checkpoint
         raise ValueError("privacy.enabled: DP-SGD runs on the in-process sequential engine only; a Flower site "
                          "keeps no privacy ledger or secret noise seed between messages yet (docs/privacy.md)")
+    if (why := federation_refusal(method.cfg)) is not None:  # kept AdamW state would have to live at the site
+        raise ValueError(why)
     if type(method).participants is not Method.participants or method.members(sites) != [GLOBAL]:
         raise ValueError(f"method {method.name!r} is not a federated method with one global model "
                          "(local_only and pooled run only on the in-process engine)")

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from fedhisto.config import Config
 from fedhisto.methods.base import Batch, Method, restyle_views
 from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.train.optimizer_state import OptimizerState, check_names, keeps_state
 from fedhisto.train.plan import (
     LocalResult,
     LossMeans,
@@ -89,6 +90,31 @@ class StackedAdamW:
         self.steps = torch.zeros(first.shape[0], dtype=torch.float64, device=first.device)
         self.exp_avg = {n: torch.zeros_like(p) for n, p in params.items()}
         self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in params.items()}
+
+    @torch.no_grad()
+    def load_members(self, states: Sequence[OptimizerState | None], where: Sequence[str]) -> None:
+        """Each member's kept state (None: fresh). One step count per member: its tensors stepped together."""
+        shapes = {n: tuple(p.shape[1:]) for n, p in self.params.items()}
+        for m, state in enumerate(states):
+            if not state:
+                continue
+            check_names(state, shapes, where[m])
+            steps = {float(s["step"]) for s in state.values()}
+            if len(steps) != 1 or set(state) != set(self.params):
+                raise ValueError(f"{where[m]}: the batched engine keeps one step count per member, but the kept "
+                                 f"state has step counts {sorted(steps)} over {len(state)} of {len(self.params)} "
+                                 "tensors")
+            self.steps[m] = steps.pop()
+            for n, s in state.items():
+                self.exp_avg[n][m] = s["exp_avg"].to(self.exp_avg[n].device, self.exp_avg[n].dtype)
+                self.exp_avg_sq[n][m] = s["exp_avg_sq"].to(self.exp_avg_sq[n].device, self.exp_avg_sq[n].dtype)
+
+    def member_state(self, m: int) -> OptimizerState:
+        """Member ``m``'s state in the engine-neutral form (CPU copies), as torch's AdamW would hold it."""
+        if self.steps[m] == 0:
+            return {}  # never stepped: torch would hold no state either
+        return {n: {"step": float(self.steps[m]), "exp_avg": self.exp_avg[n][m].detach().cpu().clone(),
+                    "exp_avg_sq": self.exp_avg_sq[n][m].detach().cpu().clone()} for n in self.params}
 
     @torch.no_grad()
     def step(self, mask: torch.Tensor) -> None:
@@ -270,6 +296,12 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     n_members = len(jobs)
     params = stack_states([j.start_state for j in jobs], device)
     opt = StackedAdamW(params, plan.lr, plan.weight_decay)
+    kept = keeps_state(cfg)
+    if any(j.optimizer_state is not None for j in jobs):
+        if not kept:  # never silently dropped
+            raise ValueError("a kept optimiser state was passed but train.readings.optimizer_state is per_round")
+        opt.load_members([j.optimizer_state for j in jobs],
+                         [f"client {j.client_idx}, round {j.round_idx + 1}" for j in jobs])
     descriptors = (torch.stack([j.descriptor.to(device)[None] for j in jobs])
                    if all(j.descriptor is not None for j in jobs) else None)
     runs = [local_run(model, j, cfg, plan, device, {}) for j in jobs]
@@ -324,4 +356,4 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                     opt.zero_grad(mask)
                     updates = [u + int(d) for u, d in zip(updates, due, strict=True)]
     return [LocalResult({n: p[m].detach().clone() for n, p in params.items()}, len(j.data), losses[m].means(),
-                        updates[m]) for m, j in enumerate(jobs)]
+                        updates[m], opt.member_state(m) if kept else None) for m, j in enumerate(jobs)]

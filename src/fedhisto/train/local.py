@@ -3,7 +3,9 @@
 The engine owns the optimiser, gradient accumulation and clipping; the method supplies the loss
 terms of each micro-batch (``Method.batch_terms``). The plan (seeding, batch order, accumulation
 boundaries, loss means) is ``train.plan``'s, shared with the batched engine; every random draw
-derives from (seed, round, participant), so a round replays exactly on resume.
+derives from (seed, round, participant), so a round replays exactly on resume. The optimiser is
+built afresh each round, and under ``train.readings.optimizer_state: kept`` it is given the client's
+state from its previous local training and hands its own back (``train.optimizer_state``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Any
 import torch
 
 from fedhisto.config import Config
-from fedhisto.methods.base import Method
+from fedhisto.methods.base import LocalSchedule, Method
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.splits import Split
+from fedhisto.train.optimizer_state import OptimizerState, keeps_state, load_into, read_from
 from fedhisto.train.plan import (
     LocalResult,
     LossMeans,
@@ -33,17 +36,19 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 
 def local_train(method: Method, model: FedHistoModel, start_state: dict[str, torch.Tensor], data: Split,
                 descriptor: torch.Tensor | None, payload: dict[str, Any], cfg: Config, seed: int, round_idx: int,
-                client_idx: int, device: torch.device) -> LocalResult:
+                client_idx: int, device: torch.device, optimizer_state: OptimizerState | None = None) -> LocalResult:
     """The method's local schedule (the study's: ``local_epochs`` epochs of AdamW) from ``start_state``,
-    with gradient accumulation and clipping."""
-    job = MemberJob(start_state, data, descriptor, payload, seed, round_idx, client_idx)
+    with gradient accumulation and clipping. ``optimizer_state``: the client's kept AdamW state (only
+    under ``train.readings.optimizer_state: kept``; None: a fresh optimiser); the result then carries
+    the state the optimiser ends in."""
+    job = MemberJob(start_state, data, descriptor, payload, seed, round_idx, client_idx, optimizer_state)
     plan = method.local_schedule(round_idx)
     check_optimizer(method, plan, tuple(OPTIMIZERS), "sequential")
     seed_round(job)
     model.load_trainable_state(start_state)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    opt = OPTIMIZERS[plan.optimizer](params.values(), lr=plan.lr, weight_decay=plan.weight_decay)
+    opt = make_optimizer(plan, params, job, cfg)
     run = local_run(model, job, cfg, plan, device, params)
     losses, updates = LossMeans(), 0
     with method.local_session(run):
@@ -59,7 +64,23 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
                     opt.zero_grad(set_to_none=True)
                     updates += 1
                 losses.add(terms)
-    return LocalResult(model.trainable_state(), len(data), losses.means(), updates)
+    return LocalResult(model.trainable_state(), len(data), losses.means(), updates, kept_state(opt, params, cfg))
 
 
-__all__ = ["LocalResult", "local_train"]
+def make_optimizer(plan: LocalSchedule, params: dict[str, torch.Tensor], job: MemberJob, cfg: Config) -> torch.optim.Optimizer:
+    """The round's optimiser over ``params``: fresh, or (kept) continuing from the job's kept state."""
+    opt = OPTIMIZERS[plan.optimizer](params.values(), lr=plan.lr, weight_decay=plan.weight_decay)
+    if job.optimizer_state is not None:
+        if not keeps_state(cfg):  # never silently dropped
+            raise ValueError(f"client {job.client_idx}, round {job.round_idx + 1}: a kept optimiser state was "
+                             "passed but train.readings.optimizer_state is per_round")
+        load_into(opt, params, job.optimizer_state, f"client {job.client_idx}, round {job.round_idx + 1}")
+    return opt
+
+
+def kept_state(opt: torch.optim.Optimizer, params: dict[str, torch.Tensor], cfg: Config) -> OptimizerState | None:
+    """What the client keeps for its next round (kept reading), else None."""
+    return read_from(opt, params) if keeps_state(cfg) else None
+
+
+__all__ = ["LocalResult", "kept_state", "local_train", "make_optimizer"]

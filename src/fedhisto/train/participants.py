@@ -3,6 +3,10 @@
 Both implement ``train.loop.Participants``; the Flower implementation is ``federation.server``. A
 participant's step that raises ``ClientUnavailable`` (or is injected to, in tests) is reported as
 unavailable; anything else becomes a ``ClientFailure`` naming the participant and round.
+
+Under ``train.readings.optimizer_state: kept`` the participants also hold each client's AdamW state
+between rounds (``train.optimizer_state``): it goes into the run's checkpoint with the DP ledgers
+(``state`` / ``restore``), never to the server; a client that is unavailable keeps its state.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from fedhisto.splits import Split
 from fedhisto.train.inference import predict
 from fedhisto.train.local import LocalResult, local_train
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, State
+from fedhisto.train.optimizer_state import OptimizerState, keeps_state
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +61,38 @@ class InProcess:
     client_fault: dict = field(default_factory=dict)  # for tests: {round index: client} declared unavailable
     client_error: dict = field(default_factory=dict)  # for tests: {round index: client} raises a plain error
     private: Any = None  # train.private.PrivateSites under privacy.enabled: DP-SGD instead of local_train
+    optimizer_states: dict[str, OptimizerState] = field(default_factory=dict)  # kept reading: per client
 
     def state(self) -> dict | None:
-        """For the checkpoint: the sites' privacy ledgers and secret seeds (None without DP)."""
-        return self.private.state() if self.private is not None else None
+        """For the checkpoint: the sites' privacy ledgers and secret seeds (DP), and each client's kept
+        optimiser state (``optimizer_state: kept``); None when neither is kept (the default)."""
+        out = dict(self.private.state()) if self.private is not None else {}
+        if keeps_state(self.cfg):
+            out["optimizer"] = {n: self.optimizer_states[n] for n in sorted(self.optimizer_states)}
+        return out or None
 
     def restore(self, saved: dict | None) -> None:
         if self.private is not None:
             self.private.restore(saved)
+        if keeps_state(self.cfg) and saved is not None:
+            if "optimizer" not in saved:
+                raise ValueError("train.readings.optimizer_state is kept but the checkpoint holds no client "
+                                 "optimiser state; delete it to start over")
+            unknown = sorted(set(saved["optimizer"]) - set(self.clients))
+            if unknown:
+                raise ValueError(f"checkpoint optimiser state of {unknown} names no participant of this run "
+                                 f"({self.names})")
+            self.optimizer_states = dict(saved["optimizer"])
+
+    def _kept(self, name: str) -> OptimizerState | None:
+        return self.optimizer_states.get(name) if keeps_state(self.cfg) else None
+
+    def _keep(self, results: dict[str, LocalResult]) -> dict[str, LocalResult]:
+        """Each trained client keeps the state its optimiser ended in (clients that did not train keep theirs)."""
+        if keeps_state(self.cfg):
+            for n, res in results.items():
+                self.optimizer_states[n] = res.optimizer_state
+        return results
 
     @property
     def names(self) -> list[str]:
@@ -101,12 +130,14 @@ class InProcess:
         k = {n: self.names.index(n) for n in starts}
         if self.private is not None:  # sequential only (privacy.support refuses the batched engine)
             self.private.before_round(r, list(starts))
-            return self._each(r, starts, lambda n: self.private.local_train(
-                n, self.model, starts[n], self.descriptors[n], payloads[n], r, k[n], self.device))
+            got, lost = self._each(r, starts, lambda n: self.private.local_train(
+                n, self.model, starts[n], self.descriptors[n], payloads[n], r, k[n], self.device, self._kept(n)))
+            return self._keep(got), lost
         if not self.batched:
-            return self._each(r, starts, lambda n: local_train(
+            got, lost = self._each(r, starts, lambda n: local_train(
                 self.method, self.model, starts[n], self.clients[n], self.descriptors[n], payloads[n], self.cfg,
-                self.seed, r, k[n], self.device))
+                self.seed, r, k[n], self.device, self._kept(n)))
+            return self._keep(got), lost
         from fedhisto.train.batched import batched_local_train
         from fedhisto.train.plan import MemberJob
 
@@ -114,11 +145,11 @@ class InProcess:
         order = [n for n in starts if n in ready]
         if not order:
             return {}, lost
-        jobs = [MemberJob(starts[n], self.clients[n], self.descriptors[n], payloads[n], self.seed, r, k[n])
-                for n in order]
+        jobs = [MemberJob(starts[n], self.clients[n], self.descriptors[n], payloads[n], self.seed, r, k[n],
+                          self._kept(n)) for n in order]
         out = self._step(",".join(order), r, lambda: batched_local_train(self.method, self.model, jobs, self.cfg,
                                                                          self.device), inject=False)
-        return dict(zip(order, out, strict=True)), lost
+        return self._keep(dict(zip(order, out, strict=True))), lost
 
     def post(self, r, members, uploaders):
         def upload(n: str):

@@ -28,6 +28,8 @@ class LocalResult:
     n_samples: int
     losses: dict[str, float]
     steps: int = 0          # optimiser steps taken (SCAFFOLD's K)
+    optimizer_state: dict | None = None  # train.readings.optimizer_state kept: the client's AdamW state after
+    #                                      training (train.optimizer_state.OptimizerState); stays at the client
 
 
 @dataclass
@@ -41,6 +43,7 @@ class MemberJob:
     seed: int
     round_idx: int
     client_idx: int
+    optimizer_state: dict | None = None  # kept reading: the client's AdamW state from its previous training
 
 
 def seed_round(job: MemberJob) -> None:

@@ -32,7 +32,7 @@ from fedhisto.privacy.releases import noised_prototypes, round_releases
 from fedhisto.privacy.site import DPSite
 from fedhisto.privacy.unit_loss import PastUnitLoss, past_unit_loss
 from fedhisto.splits import Split, eval_batches
-from fedhisto.train.local import OPTIMIZERS
+from fedhisto.train.local import OPTIMIZERS, kept_state, make_optimizer
 from fedhisto.train.loop import RunStopped
 from fedhisto.train.plan import LocalResult, MemberJob, check_optimizer, local_run, seed_round
 
@@ -110,17 +110,20 @@ class PrivateSites:
 
     def local_train(self, name: str, model: FedHistoModel, start_state: dict[str, torch.Tensor],
                     descriptor: torch.Tensor | None, payload: dict, round_idx: int, client_idx: int,
-                    device: torch.device) -> LocalResult:
-        """One participant's round of DP-SGD from ``start_state`` (the sequential engine's plan otherwise)."""
+                    device: torch.device, optimizer_state: dict | None = None) -> LocalResult:
+        """One participant's round of DP-SGD from ``start_state`` (the sequential engine's plan otherwise).
+        ``optimizer_state`` (``train.readings.optimizer_state: kept``): the site's AdamW state from its
+        previous round; AdamW's moments are functions of the noised gradients only, so keeping them at
+        the site is post-processing and changes no epsilon."""
         method, cfg, data, site = self.method, self.cfg, self.clients[name], self.sites[name]
-        job = MemberJob(start_state, data, descriptor, payload, self.seed, round_idx, client_idx)
+        job = MemberJob(start_state, data, descriptor, payload, self.seed, round_idx, client_idx, optimizer_state)
         plan = method.local_schedule(round_idx)
         check_optimizer(method, plan, tuple(OPTIMIZERS), "sequential")
         seed_round(job)  # the per-sample dropout masks draw from the round's torch stream
         model.load_trainable_state(start_state)
         model.train()
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        opt = OPTIMIZERS[plan.optimizer](params.values(), lr=plan.lr, weight_decay=plan.weight_decay)
+        opt = make_optimizer(plan, params, job, cfg)
         run = local_run(model, job, cfg, plan, device, params)
         loss = unit_loss_for(method, payload, run.ce_weights, device)
         per_epoch, step = steps_per_epoch(cfg.privacy.sample_rate), [0]
@@ -141,7 +144,7 @@ class PrivateSites:
             site.train_round(round_idx, model, opt, loss, fetch, descriptor=run.descriptor,
                              data_free_gradient=proximal_gradient if getattr(method, "proximal", False) else None,
                              device=device, on_step=lambda s: step.__setitem__(0, s))
-        return LocalResult(model.trainable_state(), len(data), {}, site.steps_per_round())
+        return LocalResult(model.trainable_state(), len(data), {}, site.steps_per_round(), kept_state(opt, params, cfg))
 
     @torch.no_grad()
     def upload_prototypes(self, name: str, model: FedHistoModel, descriptor: torch.Tensor | None, round_idx: int,
