@@ -17,6 +17,13 @@ socket lives in a directory only the site's user can enter (mode 0700, socket 06
 same per-process caches a warm Simulation Engine worker holds (``site._MODELS``/``_DATA``) and
 nothing else between messages; every reply is computed by ``handlers.handle``, the function the
 ClientApp calls in-process, so the reply is the same either way.
+
+Warm-up (``--warm-config``, ``fedhisto site --warm-config``): the worker knows its node config when
+it starts, so before it writes its ready file it builds the frozen encoder (from the node's encoder
+file when there is one: ``encoder_cache``), decodes the site's images and, per ``--warm-run``, builds
+the run's model, into the same caches the first message would fill (``site.warm_up``). That moves
+round 1's model build and decode into the deployment's start-up, once per deployment; replies do not
+change (a warmed worker's replies are an unwarmed one's, bit for bit: tests/test_flower.py).
 """
 
 from __future__ import annotations
@@ -234,8 +241,11 @@ def _dump_opens(site: str) -> None:
         os.replace(tmp, path)
 
 
-def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, ready_file: str | None = None) -> None:
-    """Answer messages on ``socket_path`` until the parent ends or a signal arrives."""
+def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, ready_file: str | None = None,
+          warm: dict | None = None) -> None:
+    """Answer messages on ``socket_path`` until the parent ends or a signal arrives. ``warm``
+    (``config``: the federation's config file; ``splits``; ``runs``: ``(method, seed)`` pairs):
+    load the encoder, images and models first (``site.warm_up``), before the ready file is written."""
     if os.environ.get(AUDIT_VAR):
         _record_opens()
     from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
@@ -263,8 +273,9 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
     signal.signal(signal.SIGINT, stop)
     if parent_pid:
         _watch_parent(parent_pid, stop)
+    warmed = _warm(node_config, warm) if warm else {}
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"pid": os.getpid(), "socket": str(path)}))
+        Path(ready_file).write_text(json.dumps({"pid": os.getpid(), "socket": str(path), "warmed": warmed}))
     served = 0
     while True:
         conn, _ = server.accept()
@@ -281,6 +292,21 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
                 out_header, out_body = {"refused": f"site {pinned['site-id']} worker: {type(exc).__name__}: {exc}"}, b""
             with contextlib.suppress(OSError):
                 _send(conn, out_header, out_body)
+
+
+def _warm(node_config: dict, warm: dict) -> dict:
+    """The warm-up (``site.warm_up``) of the node config this worker serves; its seconds go to the log."""
+    from fedhisto.config import load_config_file
+    from fedhisto.federation.site import BUILT, SiteConfig, warm_up
+
+    t0 = time.perf_counter()
+    sc = SiteConfig.from_node_config(node_config, {})
+    done = warm_up(sc, load_config_file(str(warm["config"])), tuple(warm.get("splits", ("optimisation",))),
+                   tuple((str(m), int(s)) for m, s in warm.get("runs", ())))
+    done["total"] = round(time.perf_counter() - t0, 3)
+    done["built"] = dict(BUILT)  # what warm-up built or decoded itself (not read from the node's cache)
+    print(f"site {sc.site} worker warmed up: {json.dumps(done)}", file=sys.stderr, flush=True)
+    return done
 
 
 def _answer(header: dict, body: bytes, pinned: dict, served: int, handle, from_proto, to_proto, proto_cls
@@ -309,8 +335,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--node-config", required=True, help="JSON object: the SuperNode's node config")
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--ready-file", default=None)
+    ap.add_argument("--warm-config", help="the federation's config file: load the frozen encoder and the site's "
+                                          "images (and the --warm-run models) before saying ready")
+    ap.add_argument("--warm-splits", default="optimisation",
+                    help="comma list of the splits to decode at warm-up (the evaluation site: add validation)")
+    ap.add_argument("--warm-run", action="append", default=[], metavar="METHOD:SEED",
+                    help="also build this run's model at warm-up (repeatable)")
     args = ap.parse_args(argv)
-    serve(args.socket, json.loads(args.node_config), args.parent_pid, args.ready_file)
+    warm = None
+    if args.warm_config:
+        warm = {"config": args.warm_config, "splits": [s.strip() for s in args.warm_splits.split(",") if s.strip()],
+                "runs": [parse_warm_run(r) for r in args.warm_run]}
+    elif args.warm_run:
+        ap.error("--warm-run needs --warm-config (the model is built from the federation's config)")
+    serve(args.socket, json.loads(args.node_config), args.parent_pid, args.ready_file, warm)
+
+
+def parse_warm_run(text: str) -> tuple[str, int]:
+    method, sep, seed = text.rpartition(":")
+    if not sep or not method or not seed.isdigit():
+        raise SystemExit(f"--warm-run {text!r}: expected METHOD:SEED, e.g. past_v2:11")
+    return method, int(seed)
 
 
 if __name__ == "__main__":
