@@ -136,7 +136,7 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.runtime.tracing import RuntimeTracingInterceptor
     from flwr.supercore.tls import validate_and_resolve_root_certificates
-    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+    from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
     from fedhisto.federation.envelope import annotate
     from fedhisto.federation.fast_pull import patch as fast_pulls
@@ -156,7 +156,7 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
     marks = {"task_start_unix": time.time()}
     try:
         heartbeat.start()
-        message, context, _run, fab = pull_task_input(client)
+        message, context, _run, fab = _pull_task_input(client, marks)
         marks["pulled_unix"] = time.time()
         _check_fab(fab.content, tomllib)
         theirs = _pinned(dict(context.node_config))
@@ -186,9 +186,32 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
         client.close()
         # one line per task in the worker's log: where its seconds went (unix times)
         print(f"task {message.metadata.message_type if message else '?'}: start {marks['task_start_unix']:.2f} "
+              f"input {marks.get('input_unix', 0):.2f} listed {marks.get('listed_unix', 0):.2f} "
               f"pulled {marks.get('pulled_unix', 0):.2f} pushed {t_push:.2f} done {time.time():.2f} "
               f"exit {int(code)}", file=sys.stderr, flush=True)
     return int(code)
+
+
+def _pull_task_input(client, marks: dict):
+    """Flower 1.42's ``run_clientapp.pull_task_input`` (context, run and FAB; the message list; the
+    message's objects), with the time of each of its three steps in ``marks``."""
+    import flwr.supernode.runtime.run_clientapp as rc  # the names Flower's own function uses
+
+    res = client.PullTaskInput(rc.PullTaskInputRequest())
+    marks["input_unix"] = time.time()
+    rc.TaskIdentity.task_id, rc.TaskIdentity.run_id, rc.TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    context, run, fab = rc.context_from_proto(res.context), rc.run_from_proto(res.run), rc.fab_from_proto(res.fab)
+    listed = client.PullMessages(rc.PullAppMessagesRequest())
+    marks["listed_unix"] = time.time()
+    if not listed.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node, tree = rc.Node(node_id=context.node_id), listed.message_object_trees[0]
+    message = rc.pull_and_inflate_object_from_tree(
+        tree, rc.make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        rc.make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=rc.Message)
+    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower's: the deflated message lacks it
+    return message, context, run, fab
 
 
 def _check_fab(fab_bytes: bytes, tomllib) -> None:
