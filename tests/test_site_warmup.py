@@ -141,3 +141,38 @@ def test_warmed_site_workers_answer_bitwise_and_a_restarted_one_reads_its_node_c
     run_train(RUN[0], RUN[1], prepared["manifest"], prepared["identity"], prepared["descriptors"],
               load_config_file(prepared["config"]), tmp_path / "inproc")
     assert_same_run(tmp_path / "inproc", tmp_path / "flower")
+
+
+def test_fedhisto_site_hands_its_warm_up_to_the_worker_and_refuses_runs_without_a_config(tmp_path: Path, monkeypatch):
+    import fedhisto.cli as cli
+
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None):
+            started.append(cmd)
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr("subprocess.Popen", FakePopen)
+    monkeypatch.setattr(cli, "_exec", lambda cmd, env=None: 0)
+    base = ["site", "--site", "C1", "--manifest", str(tmp_path / "m.csv"), "--insecure",
+            "--run-dir", str(tmp_path / "run"), "--flwr-home", str(tmp_path / "home")]
+    (tmp_path / "config.yaml").write_text("{}\n")
+    assert cli.main([*base, "--warm-config", str(tmp_path / "config.yaml"), "--warm-splits", "optimisation,validation",
+                     "--warm-run", "past_v2:11", "--warm-run", "fedavg_peft:12"]) == 0
+    worker = started[0]
+    assert worker[worker.index("--warm-config") + 1] == str((tmp_path / "config.yaml").resolve())
+    assert worker[worker.index("--warm-splits") + 1] == "optimisation,validation"
+    assert [worker[i + 1] for i, a in enumerate(worker) if a == "--warm-run"] == ["past_v2:11", "fedavg_peft:12"]
+    with pytest.raises(ValueError, match="site C1: warm runs"):
+        cli.main([*base, "--warm-run", "past_v2:11"])
+    from fedhisto.federation.worker import parse_warm_run
+
+    assert parse_warm_run("past_v2:11") == ("past_v2", 11)
+    with pytest.raises(SystemExit, match="METHOD:SEED"):
+        parse_warm_run("past_v2")
