@@ -7,13 +7,15 @@ rounds), on this host:
 2. deployment as Flower runs it (TLS + SuperNode auth, five SuperNodes, one ``flwr-clientapp`` process
    per message that imports torch/peft, builds the model and decodes the site's images; polls of 3 s
    at the SuperNode, 1 s at the SuperExec, 3 s in ``Grid.send_and_receive``);
-3. deployment as ``fedhisto site`` starts it (a long-lived worker per site, 0.2 / 0.1 / 0.2 s polls).
+3. deployment as ``fedhisto site`` starts it (a long-lived worker per site, 0.2 / 0.1 / 0.2 s polls),
+   each worker warmed up before it says ready (``--warm-config``: frozen encoder, the site's images,
+   the run's model; the evaluation site also its validation images).
 
 Prints a markdown table (per round: wall, train and post phases) and, per message of the Flower
 default, where its seconds went (the ClientApp process's age when the handler started = interpreter
 start + imports; the handler's setup = model build; the handler). Writes the raw figures as JSON.
 
-    python benchmarks/federation_round.py [--work DIR] [--out figures.json] [--skip-default]
+    python benchmarks/federation_round.py [--work DIR] [--out figures.json] [--skip-default] [--method M]
 """
 
 from __future__ import annotations
@@ -28,19 +30,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def deployment(prepared: dict, root: Path, fast: bool) -> dict:
+def deployment(prepared: dict, root: Path, fast: bool, method: str) -> dict:
     import torch
 
     from fedhisto.federation.localhost import LocalFederation, SiteSpec, wait_run_end
 
-    specs = [SiteSpec(s, prepared["manifest"], prepared["descriptors"]) for s in ("C1", "C2", "C3", "C4", "C5")]
+    sites = ("C1", "C2", "C3", "C4", "C5")  # the evaluation site is the first (run config eval-site unset)
+    warm = {"warm_config": prepared["config"], "warm_runs": (f"{method}:11",)}
+    specs = [SiteSpec(s, prepared["manifest"], prepared["descriptors"], **warm,
+                      warm_splits=("optimisation", "validation") if s == sites[0] else ("optimisation",))
+             for s in sites]
     fed = LocalFederation(root, specs, fast=fast)
-    out, logs = root / "results/train/past_v2/seed11", root / "serverapp"
+    out, logs = root / f"results/train/{method}/seed11", root / "serverapp"
     t0 = time.time()
     try:
         fed.start()
         ready_s = time.time() - t0
-        fed.run({"method": "past_v2", "seed": 11, "config": str(prepared["config"]),
+        warmed = {s: json.loads((root / "sites" / s / "worker.ready").read_text()).get("warmed", {})
+                  for s in sites} if fast else {}
+        fed.run({"method": method, "seed": 11, "config": str(prepared["config"]),
                  "descriptors": str(prepared["descriptors"]), "out-dir": str(out),
                  "dataset-identity": prepared["dataset_identity"], "log-dir": str(logs), "round-timeout": 600.0})
         end = wait_run_end(logs, 900)
@@ -54,7 +62,7 @@ def deployment(prepared: dict, root: Path, fast: bool) -> dict:
     groups = {"superlink (+ ServerApp)": [k for k in cpu if k == "superlink"],
               "supernodes (+ SuperExec, ClientApp processes)": [k for k in cpu if k.startswith("supernode_")],
               "site workers": [k for k in cpu if k.startswith("worker_")]}
-    return {"ready_s": round(ready_s, 1), "total_s": round(total_s, 1),
+    return {"ready_s": round(ready_s, 1), "total_s": round(total_s, 1), "warmed": warmed,
             "cpu_s": {g: round(sum(cpu[k] for k in ks), 1) for g, ks in groups.items()},
             "rounds": [{"round": h["round"], "wall_s": h["wall_s"],
                         "phases": {a: {"s": v["s"], "sites": v.get("sites", {})} for a, v in h["phases"].items()}}
@@ -66,6 +74,7 @@ def main() -> None:
     ap.add_argument("--work")
     ap.add_argument("--out", default="federation_round.json")
     ap.add_argument("--skip-default", action="store_true", help="only the in-process and the fast deployment")
+    ap.add_argument("--method", default="past_v2", help="a federable method (past_v2, fedavg_peft, fedstain, ...)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="fedround-"))
     import torch
@@ -76,13 +85,13 @@ def main() -> None:
 
     prepared = prepare(work / "cohort")
     prepared["dataset_identity"] = json.loads(prepared["identity"].read_text())["dataset_identity"]
-    run_train("past_v2", 11, prepared["manifest"], prepared["identity"], prepared["descriptors"],
+    run_train(args.method, 11, prepared["manifest"], prepared["identity"], prepared["descriptors"],
               load_config_file(prepared["config"]), work / "inproc")
     inproc = [h["wall_s"] for h in torch.load(work / "inproc/checkpoint.pt", weights_only=False)["history"]]
     figures = {"in_process": inproc}
     if not args.skip_default:
-        figures["flower_default"] = deployment(prepared, work / "default", fast=False)
-    figures["fedhisto_fast"] = deployment(prepared, work / "fast", fast=True)
+        figures["flower_default"] = deployment(prepared, work / "default", False, args.method)
+    figures["fedhisto_fast"] = deployment(prepared, work / "fast", True, args.method)
     Path(args.out).write_text(json.dumps(figures, indent=1))
 
     print("| engine | " + " | ".join(f"round {i + 1}" for i in range(len(inproc))) + " |")
@@ -101,6 +110,8 @@ def main() -> None:
         if name in figures:
             print(f"\n{name}: start-up {figures[name]['ready_s']} s, start to finish {figures[name]['total_s']} s, "
                   f"CPU seconds {figures[name]['cpu_s']}")
+            for site, w in figures[name].get("warmed", {}).items():
+                print(f"  worker {site} warm-up: {w}")
     for name in ("flower_default", "fedhisto_fast"):
         if name not in figures:
             continue

@@ -146,7 +146,9 @@ def _cmd_site(args: argparse.Namespace) -> int:
     proc = None
     if worker:
         cmd = deploy.worker_cmd(worker, args.site, args.manifest, args.descriptors or "", args.encoder_dir or "",
-                                cache, args.threads, parent_pid=os.getpid(), report=args.report)
+                                cache, args.threads, parent_pid=os.getpid(), report=args.report,
+                                warm_config=args.warm_config or "", warm_splits=tuple(args.warm_splits.split(",")),
+                                warm_runs=tuple(args.warm_run))
         print("+", " ".join(cmd), file=sys.stderr, flush=True)
         proc = subprocess.Popen(cmd, env=env)
     cmd = deploy.supernode_cmd(args.superlink, args.site, args.manifest, args.descriptors or "", args.ca,
@@ -290,6 +292,13 @@ def _federation_parsers(sub) -> None:
                    help="Flower's own SuperNode loop (idle poll 3 s) instead of the 0.2 s one")
     p.add_argument("--run-dir", help="the worker's socket and the decoded-image cache (default .fedhisto-site/SITE)")
     p.add_argument("--cache-dir", help="node-local cache of decoded images (default RUN_DIR/cache)")
+    p.add_argument("--warm-config", help="the federation's config file: the worker loads the frozen encoder and "
+                                          "decodes this site's images before the first message (once per start)")
+    p.add_argument("--warm-splits", default="optimisation",
+                   help="comma list of splits the worker decodes at start (an evaluation site: "
+                        "optimisation,validation)")
+    p.add_argument("--warm-run", action="append", default=[], metavar="METHOD:SEED",
+                   help="with --warm-config: also build this run's model at start (repeatable)")
     p.add_argument("--report", choices=("rows", "counts"), default="rows",
                    help="federated evaluation: per-image prediction rows (default) or, this site's opt-out, "
                         "confusion counts and calibration bins only")

@@ -160,8 +160,12 @@ def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: 
 
 def worker_cmd(socket_path: str | Path, site: str, manifest: str | Path, descriptors: str | Path = "",
                encoder_dir: str = "", cache_dir: str | Path = "", threads: int = 1,
-               parent_pid: int | None = None, ready_file: str | Path | None = None, report: str = "rows") -> list[str]:
-    """The site worker (``federation.worker``) for the node config the SuperNode gets."""
+               parent_pid: int | None = None, ready_file: str | Path | None = None, report: str = "rows",
+               warm_config: str | Path = "", warm_splits: tuple[str, ...] = ("optimisation",),
+               warm_runs: tuple[str, ...] = ()) -> list[str]:
+    """The site worker (``federation.worker``) for the node config the SuperNode gets. ``warm_config``:
+    the federation's config file, to load the encoder and the site's images of ``warm_splits`` (and
+    build the model of each ``METHOD:SEED`` of ``warm_runs``) before the worker says ready."""
     import json
 
     items = node_config_items(site, manifest, descriptors, encoder_dir, socket_path, cache_dir, report)
@@ -172,6 +176,12 @@ def worker_cmd(socket_path: str | Path, site: str, manifest: str | Path, descrip
         cmd += ["--parent-pid", str(parent_pid)]
     if ready_file:
         cmd += ["--ready-file", str(ready_file)]
+    if warm_config:
+        cmd += ["--warm-config", str(Path(warm_config).resolve()), "--warm-splits", ",".join(warm_splits)]
+        for run in warm_runs:
+            cmd += ["--warm-run", run]
+    elif warm_runs:
+        raise ValueError(f"site {site}: warm runs {list(warm_runs)} need the federation's config (warm_config)")
     return cmd
 
 

@@ -23,7 +23,8 @@ site it is meant for and the site's index k in the sorted site list, which seeds
 streams). A site refuses a message meant for another site. A ``ClientUnavailable`` (the site's data
 cannot be read) or any other exception is returned as an ``error`` record with its type, so the
 server applies the engine's rules (tolerated and counted vs. the run stops and names the site).
-Every reply has an ``info`` record: the process id and where the message's seconds went.
+Every reply has an ``info`` record: the process id, where the message's seconds went, and how many
+encoders, models and images the process has built or decoded so far (``site.BUILT``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from fedhisto.code_identity import identity_strings
 from fedhisto.federation.envelope import is_sealed, seal, unseal
 from fedhisto.federation.records import get_members, get_payload, put_value, record_state, state_record
-from fedhisto.federation.site import Site, SiteConfig
+from fedhisto.federation.site import BUILT, Site, SiteConfig
 
 
 def _site(content: RecordDict, node_config: dict, run_config: dict) -> tuple[Site, dict]:
@@ -135,5 +136,5 @@ def handle(action: str, content: RecordDict, node_config: dict, run_config: dict
                                                    "traceback": traceback.format_exc()[-4000:]})})
     timings["handler_s"] = time.perf_counter() - t0
     timings["end_unix"] = time.time()
-    reply["info"] = ConfigRecord({"pid": os.getpid(), **{k: round(v, 4) for k, v in timings.items()}})
+    reply["info"] = ConfigRecord({"pid": os.getpid(), **{k: round(v, 4) for k, v in timings.items()}, **BUILT})
     return reply

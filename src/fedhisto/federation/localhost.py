@@ -43,6 +43,10 @@ class SiteSpec:
     manifest: Path
     descriptors: Path | str = ""
     encoder_dir: str = ""
+    # the worker's warm-up (fast only; ``worker.serve``): the federation's config, splits, METHOD:SEED runs
+    warm_config: Path | str = ""
+    warm_splits: tuple[str, ...] = ("optimisation",)
+    warm_runs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -92,7 +96,9 @@ class LocalFederation:
             ready = run_dir / "worker.ready"
             ready.unlink(missing_ok=True)
             self.procs.start(f"worker_{spec.site}", worker_cmd(sock, spec.site, spec.manifest, spec.descriptors,
-                                                               spec.encoder_dir, cache, ready_file=ready))
+                                                               spec.encoder_dir, cache, ready_file=ready,
+                                                               warm_config=spec.warm_config,
+                                                               warm_splits=spec.warm_splits, warm_runs=spec.warm_runs))
         self.procs.start(f"supernode_{spec.site}", supernode_cmd(
             self.address, spec.site, spec.manifest, spec.descriptors, self.tls["ca"], self.keys[spec.site][0],
             runtime_port=free_port(), encoder_dir=spec.encoder_dir, worker=sock, cache_dir=cache,

@@ -38,6 +38,7 @@ from fedhisto.federation.records import (
     record_state,
     state_record,
 )
+from fedhisto.federation.site import federated_config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, descriptor_digest
@@ -75,7 +76,7 @@ class FederatedRun:
                  pause_between_rounds: float = 0.0):
         if cfg.train.engine != "sequential":  # each site trains alone: the sequential engine's math, and identity
             log.info("train.engine %s: the Flower engine trains each site on its own (sequential)", cfg.train.engine)
-            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"engine": "sequential"})})
+        cfg = federated_config(cfg)
         self.cfg, self.seed, self.sites = cfg, seed, sorted(sites)
         self.method = build_method(method_name, cfg)
         check_federable(self.method, self.sites)

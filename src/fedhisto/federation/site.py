@@ -45,6 +45,9 @@ _MODELS: dict[tuple, tuple[Method, FedHistoModel]] = {}
 _ENCODERS: dict[tuple, object] = {}  # (encoder config, folder digest) -> FrozenEncoder, before LoRA
 _DATA: dict[tuple, Split] = {}
 DATA_CACHE_FORMAT = 1
+# what this process has built or decoded itself (not read from a cache): every reply's ``info`` carries
+# it, so a run shows which messages paid for a build (a warmed worker's messages: none)
+BUILT = {"encoders_built": 0, "models_built": 0, "images_decoded": 0}
 
 
 @dataclass
@@ -80,6 +83,54 @@ def config_from_json(text: str) -> Config:
     return load_config(json.loads(text))
 
 
+def federated_config(cfg: Config) -> Config:
+    """The config a federated run sends its sites (``run.config``, as JSON): every site trains alone,
+    so the engine is the sequential one whatever ``train.engine`` says (the run identity says so too)."""
+    if cfg.train.engine == "sequential":
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"engine": "sequential"})})
+
+
+def warm_up(sc: SiteConfig, cfg: Config, splits: tuple[str, ...] = ("optimisation",),
+            runs: tuple[tuple[str, int], ...] = ()) -> dict:
+    """What a long-lived site worker loads before it says ready, once per deployment, into the same
+    per-process caches a message fills: the frozen encoder (from the node's encoder file when there
+    is one), the site's decoded images of ``splits`` (``optimisation`` and ``holdout``: its own rows;
+    ``validation``, ``test``, ``external``: every row of the split in its manifest, as an evaluation
+    site reads them) and, per ``(method, seed)`` of ``runs``, the model for ``cfg`` as the ServerApp
+    sends it (``federated_config``). A message whose run differs finds no model under its key and
+    builds its own; encoder and images are keyed on what they depend on only. Nothing here is needed
+    for a correct reply: a part that fails (an undecodable image, a split the manifest lacks) is
+    logged and left to the first message, which reports it through the message path by site.
+    Returns the seconds of each part (or why it failed)."""
+    import time
+
+    cfg = federated_config(cfg)
+    done: dict[str, object] = {}
+
+    def part(name: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            done[name] = round(time.perf_counter() - t0, 3)
+        except Exception as exc:
+            log.warning("site %s: warm-up of %s failed (%s: %s); the first message that needs it retries",
+                        sc.site, name, type(exc).__name__, exc)
+            done[name] = f"failed: {type(exc).__name__}"
+
+    torch.set_num_threads(max(sc.threads, 1))
+    part("encoder", lambda: frozen_encoder(cfg, sc.encoder_dir, sc.cache_dir))
+    for split in splits:
+        who = sc.site if split in ("optimisation", "holdout") else None
+        part(f"images:{split}", lambda s=split, w=who: load_site_split(sc.manifest, w, s, cfg.views.crop_size,
+                                                                          sc.cache_dir))
+    cfg_json = cfg.model_dump_json()
+    for method, seed in runs:
+        part(f"model:{method}:{seed}", lambda m=method, s=seed: site_model(cfg_json, m, int(s), sc.encoder_dir,
+                                                                           sc.threads, sc.cache_dir))
+    return done
+
+
 def load_site_split(manifest_csv: str, site: str | None, split: str, crop_size: int, cache_dir: str = "") -> Split:
     """``site``'s rows of one split (``site=None``: all rows of the split), as ``load_partitions``.
     With ``cache_dir`` the decoded images come from (or go to) the node-local cache (module docstring)."""
@@ -110,7 +161,9 @@ def _decode(row: dict, site: str | None, crop_size: int) -> object:
     """One image; a failure names the sample id to the coordinator and the file only in the site's log
     (a reply never carries a site's paths)."""
     try:
-        return _load(row["path"], 2 * crop_size)
+        image = _load(row["path"], 2 * crop_size)
+        BUILT["images_decoded"] += 1
+        return image
     except OSError as exc:
         log.error("site %s: image %s (%s) cannot be decoded: %s", site, row["sample_id"], row["path"], exc)
         raise ClientUnavailable(f"site {site}: image {row['sample_id']} cannot be decoded "
@@ -145,26 +198,38 @@ def _write_cache(cache: tuple[Path, str], data: Split) -> None:
         torch.save({"key": key, "ids": list(data.ids), "labels": list(data.labels), "images": list(data.images)}, tmp)
 
 
-def frozen_encoder(cfg: Config, encoder_dir: str):
+def frozen_encoder(cfg: Config, encoder_dir: str, cache_dir: str = ""):
     """A private copy of this node's frozen encoder, loaded once per process (LoRA is injected into
-    the copy by ``FedHistoModel``)."""
+    the copy by ``FedHistoModel``); with ``cache_dir`` from the node's encoder file, written on the
+    first build (``federation.encoder_cache``), so a restarted worker does not rebuild it."""
     from fedhisto.model.encoder import load_encoder
 
     key = (cfg.model.encoder.model_dump_json(), encoder_digest(cfg, encoder_dir or None))
     if key not in _ENCODERS:
-        torch.manual_seed(0)  # as build_model: a random (non-pretrained) encoder is the same everywhere
-        _ENCODERS[key] = load_encoder(cfg.model.encoder, encoder_dir or None)
+        def build():
+            torch.manual_seed(0)  # as build_model: a random (non-pretrained) encoder is the same everywhere
+            BUILT["encoders_built"] += 1
+            return load_encoder(cfg.model.encoder, encoder_dir or None)
+
+        if cache_dir:
+            from fedhisto.federation.encoder_cache import cached_encoder
+
+            _ENCODERS[key] = cached_encoder(cache_dir, cfg, encoder_dir, build)
+        else:
+            _ENCODERS[key] = build()
     return copy.deepcopy(_ENCODERS[key])
 
 
-def site_model(cfg_json: str, method_name: str, seed: int, encoder_dir: str, threads: int) -> tuple[Method, FedHistoModel]:
+def site_model(cfg_json: str, method_name: str, seed: int, encoder_dir: str, threads: int,
+               cache_dir: str = "") -> tuple[Method, FedHistoModel]:
     torch.set_num_threads(max(threads, 1))
     key = (hashlib.sha256(cfg_json.encode()).hexdigest(), method_name, seed, encoder_dir)
     if key not in _MODELS:
         cfg = config_from_json(cfg_json)
         method = build_method(method_name, cfg)
-        model = build_model(cfg, method, seed, encoder_dir or None, encoder=frozen_encoder(cfg, encoder_dir))
+        model = build_model(cfg, method, seed, encoder_dir or None, encoder=frozen_encoder(cfg, encoder_dir, cache_dir))
         _MODELS[key] = (method, model.to(pick_device()))
+        BUILT["models_built"] += 1
     return _MODELS[key]
 
 
@@ -173,7 +238,7 @@ class Site:
 
     def __init__(self, sc: SiteConfig, cfg_json: str, method_name: str, seed: int) -> None:
         self.sc, self.seed = sc, seed
-        self.method, self.model = site_model(cfg_json, method_name, seed, sc.encoder_dir, sc.threads)
+        self.method, self.model = site_model(cfg_json, method_name, seed, sc.encoder_dir, sc.threads, sc.cache_dir)
         self.cfg = self.method.cfg
         self.device = pick_device()
         doc = json.loads(Path(sc.descriptors).read_text()) if self.method.film else None

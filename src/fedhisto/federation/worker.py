@@ -17,6 +17,13 @@ socket lives in a directory only the site's user can enter (mode 0700, socket 06
 same per-process caches a warm Simulation Engine worker holds (``site._MODELS``/``_DATA``) and
 nothing else between messages; every reply is computed by ``handlers.handle``, the function the
 ClientApp calls in-process, so the reply is the same either way.
+
+Warm-up (``--warm-config``, ``fedhisto site --warm-config``): the worker knows its node config when
+it starts, so before it writes its ready file it builds the frozen encoder (from the node's encoder
+file when there is one: ``encoder_cache``), decodes the site's images and, per ``--warm-run``, builds
+the run's model, into the same caches the first message would fill (``site.warm_up``). That moves
+round 1's model build and decode into the deployment's start-up, once per deployment; replies do not
+change (a warmed worker's replies are an unwarmed one's, bit for bit: tests/test_flower.py).
 """
 
 from __future__ import annotations
@@ -129,10 +136,13 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.runtime.tracing import RuntimeTracingInterceptor
     from flwr.supercore.tls import validate_and_resolve_root_certificates
-    from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+    from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
     from fedhisto.federation.envelope import annotate
+    from fedhisto.federation.fast_pull import patch as fast_pulls
     from fedhisto.federation.handlers import handle
+
+    fast_pulls()  # pull_task_input's object pulls retry after 0.05 s, not 1 s (fast_pull)
 
     client = RuntimeHttpClient.from_server_address(
         server_address=runtime_api_address, insecure=insecure,
@@ -146,7 +156,7 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
     marks = {"task_start_unix": time.time()}
     try:
         heartbeat.start()
-        message, context, _run, fab = pull_task_input(client)
+        message, context, _run, fab = _pull_task_input(client, marks)
         marks["pulled_unix"] = time.time()
         _check_fab(fab.content, tomllib)
         theirs = _pinned(dict(context.node_config))
@@ -176,9 +186,32 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
         client.close()
         # one line per task in the worker's log: where its seconds went (unix times)
         print(f"task {message.metadata.message_type if message else '?'}: start {marks['task_start_unix']:.2f} "
+              f"input {marks.get('input_unix', 0):.2f} listed {marks.get('listed_unix', 0):.2f} "
               f"pulled {marks.get('pulled_unix', 0):.2f} pushed {t_push:.2f} done {time.time():.2f} "
               f"exit {int(code)}", file=sys.stderr, flush=True)
     return int(code)
+
+
+def _pull_task_input(client, marks: dict):
+    """Flower 1.42's ``run_clientapp.pull_task_input`` (context, run and FAB; the message list; the
+    message's objects), with the time of each of its three steps in ``marks``."""
+    import flwr.supernode.runtime.run_clientapp as rc  # the names Flower's own function uses
+
+    res = client.PullTaskInput(rc.PullTaskInputRequest())
+    marks["input_unix"] = time.time()
+    rc.TaskIdentity.task_id, rc.TaskIdentity.run_id, rc.TaskIdentity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    context, run, fab = rc.context_from_proto(res.context), rc.run_from_proto(res.run), rc.fab_from_proto(res.fab)
+    listed = client.PullMessages(rc.PullAppMessagesRequest())
+    marks["listed_unix"] = time.time()
+    if not listed.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node, tree = rc.Node(node_id=context.node_id), listed.message_object_trees[0]
+    message = rc.pull_and_inflate_object_from_tree(
+        tree, rc.make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        rc.make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=rc.Message)
+    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower's: the deflated message lacks it
+    return message, context, run, fab
 
 
 def _check_fab(fab_bytes: bytes, tomllib) -> None:
@@ -234,8 +267,11 @@ def _dump_opens(site: str) -> None:
         os.replace(tmp, path)
 
 
-def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, ready_file: str | None = None) -> None:
-    """Answer messages on ``socket_path`` until the parent ends or a signal arrives."""
+def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, ready_file: str | None = None,
+          warm: dict | None = None) -> None:
+    """Answer messages on ``socket_path`` until the parent ends or a signal arrives. ``warm``
+    (``config``: the federation's config file; ``splits``; ``runs``: ``(method, seed)`` pairs):
+    load the encoder, images and models first (``site.warm_up``), before the ready file is written."""
     if os.environ.get(AUDIT_VAR):
         _record_opens()
     from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
@@ -263,8 +299,9 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
     signal.signal(signal.SIGINT, stop)
     if parent_pid:
         _watch_parent(parent_pid, stop)
+    warmed = _warm(node_config, warm) if warm else {}
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"pid": os.getpid(), "socket": str(path)}))
+        Path(ready_file).write_text(json.dumps({"pid": os.getpid(), "socket": str(path), "warmed": warmed}))
     served = 0
     while True:
         conn, _ = server.accept()
@@ -281,6 +318,21 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
                 out_header, out_body = {"refused": f"site {pinned['site-id']} worker: {type(exc).__name__}: {exc}"}, b""
             with contextlib.suppress(OSError):
                 _send(conn, out_header, out_body)
+
+
+def _warm(node_config: dict, warm: dict) -> dict:
+    """The warm-up (``site.warm_up``) of the node config this worker serves; its seconds go to the log."""
+    from fedhisto.config import load_config_file
+    from fedhisto.federation.site import BUILT, SiteConfig, warm_up
+
+    t0 = time.perf_counter()
+    sc = SiteConfig.from_node_config(node_config, {})
+    done = warm_up(sc, load_config_file(str(warm["config"])), tuple(warm.get("splits", ("optimisation",))),
+                   tuple((str(m), int(s)) for m, s in warm.get("runs", ())))
+    done["total"] = round(time.perf_counter() - t0, 3)
+    done["built"] = dict(BUILT)  # what warm-up built or decoded itself (not read from the node's cache)
+    print(f"site {sc.site} worker warmed up: {json.dumps(done)}", file=sys.stderr, flush=True)
+    return done
 
 
 def _answer(header: dict, body: bytes, pinned: dict, served: int, handle, from_proto, to_proto, proto_cls
@@ -309,8 +361,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--node-config", required=True, help="JSON object: the SuperNode's node config")
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--ready-file", default=None)
+    ap.add_argument("--warm-config", help="the federation's config file: load the frozen encoder and the site's "
+                                          "images (and the --warm-run models) before saying ready")
+    ap.add_argument("--warm-splits", default="optimisation",
+                    help="comma list of the splits to decode at warm-up (the evaluation site: add validation)")
+    ap.add_argument("--warm-run", action="append", default=[], metavar="METHOD:SEED",
+                    help="also build this run's model at warm-up (repeatable)")
     args = ap.parse_args(argv)
-    serve(args.socket, json.loads(args.node_config), args.parent_pid, args.ready_file)
+    warm = None
+    if args.warm_config:
+        warm = {"config": args.warm_config, "splits": [s.strip() for s in args.warm_splits.split(",") if s.strip()],
+                "runs": [parse_warm_run(r) for r in args.warm_run]}
+    elif args.warm_run:
+        ap.error("--warm-run needs --warm-config (the model is built from the federation's config)")
+    serve(args.socket, json.loads(args.node_config), args.parent_pid, args.ready_file, warm)
+
+
+def parse_warm_run(text: str) -> tuple[str, int]:
+    method, sep, seed = text.rpartition(":")
+    if not sep or not method or not seed.isdigit():
+        raise SystemExit(f"--warm-run {text!r}: expected METHOD:SEED, e.g. past_v2:11")
+    return method, int(seed)
 
 
 if __name__ == "__main__":
