@@ -146,3 +146,29 @@ def test_a_warm_training_run_writes_the_files_of_a_fresh_process(server, prepare
         assert (out["warm"] / f).read_bytes() == (out["cold"] / f).read_bytes()
     strip = lambda p: [line.rsplit(",", 1)[0] for line in p.read_text().splitlines()]  # noqa: E731 - wall_s last
     assert strip(out["warm"] / "history.csv") == strip(out["cold"] / "history.csv")
+
+
+def test_a_server_on_other_code_or_failing_sends_the_job_to_run_cold(tmp_path: Path, monkeypatch):
+    """Served in this process, one connection at a time (no fork on these paths)."""
+    import socket
+    import threading
+
+    sock = str(tmp_path / "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock)
+    listener.listen(4)
+    code = CALL + "import os\nprint(json.dumps([os.getpid(), call('warm_targets:describe', 'M3')['pid']]))"
+    def no_fork():
+        raise OSError("fork refused (test)")
+
+    for digest in ("another tree's digest", warm._code_digest()):  # other code; this code, but the fork fails
+        if digest == warm._code_digest():
+            monkeypatch.setattr(warm.os, "fork", no_fork)
+        serving = threading.Thread(target=warm._serve_one, args=(listener, digest))
+        serving.start()
+        proc = _client(code, {"socket": sock}, tmp_path)
+        serving.join(timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        own, ran = json.loads(proc.stdout.splitlines()[-1])
+        assert own == ran  # the job ran in its own process
+    listener.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from fedhisto.config_base import IF_CHANGED, Strict
+from fedhisto.config_base import IF_CHANGED, Strict, unless
 
 ClassName = Literal["ACA", "Normal", "SCC"]
 ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
@@ -35,7 +35,26 @@ class SyntheticCohort(Strict):
     seed: int = 20261130
     image_size: int = Field(128, ge=64, le=1024, description="internal tile edge in pixels")
     external_image_size: int = Field(160, ge=64, le=2048, description="external tile edge (scanner differs)")
+    external_severity: float = Field(
+        1.0, ge=0, le=3, json_schema_extra=unless(1.0),
+        description="the external site's stain chemistry and scanner on the dose-response line from site1 (0) "
+                    "through the external site (1), extrapolated beyond it (fedhisto.synth.severity.style_at)")
+    external_grades: list[Literal["well", "moderately", "poorly"]] = Field(
+        default_factory=lambda: ["well", "moderately", "poorly"], min_length=1,
+        json_schema_extra=unless(["well", "moderately", "poorly"]),
+        description="differentiation grades the external ACA and SCC images cycle through (then shuffled); "
+                    "poorly differentiated ACA loses its glands and looks like SCC's solid nests")
+    external_per_class: tuple[int, int, int] | None = Field(
+        None, json_schema_extra=IF_CHANGED,
+        description="external images per class (ACA, Normal, SCC); null: the profile's")
     planted: PlantedFamilies = PlantedFamilies()
+
+    @field_validator("external_per_class")
+    @classmethod
+    def _positive(cls, v: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        if v is not None and min(v) < 1:
+            raise ValueError(f"external_per_class needs at least one image per class (got {list(v)})")
+        return v
 
 
 class SourceSpec(Strict):

@@ -25,8 +25,10 @@ What a child is, and why its results are those of a fresh process:
 The server runs only for local execution (never under a cluster executor, where jobs run on other hosts and
 under the scheduler's limits, nor with ``--use-conda``, whose jobs use another interpreter), listens on a socket
 in a private (0700) temporary folder named in ``FEDHISTO_WARM_SOCKET``, ends when Snakemake ends (``onsuccess`` /
-``onerror``, or when its parent process is gone), and imports the code as it was when the run started. A job that
-finds no server (not started, not ready yet, ``FEDHISTO_WARM=0``) runs in its own process, as before.
+``onerror``, or when its parent process is gone). It serves only jobs whose package code has the digest it
+started with (``fedhisto.code_identity.source_digest``): after an edit mid-run, jobs run cold on the new code. A
+job that finds no server (not started, not ready yet, ``FEDHISTO_WARM=0``), or that the server cannot serve, runs
+in its own process, as before.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def _recv(conn: socket.socket, with_fds: int = 0) -> tuple[Any, list[int]]:
 # --------------------------------------------------------------------------------------------- client side
 def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) -> Any:
     """Run ``target`` (``'package.module:function'``) with these arguments: in a warm child when a server
-    is reachable, else here. Returns what the function returns."""
+    on this very code is reachable, else here. Returns what the function returns."""
     path = os.environ.get(ENV_SOCKET)
     conn = None
     if path and os.environ.get(ENV_SWITCH, "1") != "0":
@@ -148,17 +150,33 @@ def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) ->
     with conn:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        request = {"target": target, "args": args, "kwargs": kwargs, "cwd": os.getcwd(), "env": dict(os.environ),
-                   "log_path": log_path, "client_pid": os.getpid()}
+        request = {"target": target, "code": _code_digest(), "cwd": os.getcwd(), "env": dict(os.environ),
+                   "log_path": log_path, "client_pid": os.getpid(), "call": _dumps((args, kwargs))}
         _send(conn, request, [0, 1, 2])
         try:
-            reply, _ = _recv(conn)
+            started, _ = _recv(conn)
         except EOFError:
-            raise WarmJobFailed(f"the warm child running {target} ended without a reply (killed, or it crashed; "
-                                f"see the job's log{f' {log_path}' if log_path else ''})") from None
+            started = {"status": "cold", "why": "the server closed the connection before starting the job"}
+        if started["status"] == "cold":  # nothing ran there: run here
+            log.info("warm server not used for %s: %s", target, started["why"])
+        else:
+            try:
+                reply, _ = _recv(conn)
+            except EOFError:
+                raise WarmJobFailed(f"the warm child {started.get('pid')} running {target} ended without a reply "
+                                    "(killed, or it crashed; see the job's log"
+                                    f"{f' {log_path}' if log_path else ''})") from None
+    if started["status"] == "cold":
+        return _resolve(target)(*args, **kwargs)
     if reply["status"] == "ok":
         return reply["value"]
     raise SystemExit(reply["code"])  # its traceback is in the job's log, written by the child
+
+
+def _code_digest() -> str:
+    from fedhisto.code_identity import source_digest
+
+    return source_digest()
 
 
 # --------------------------------------------------------------------------------------------- child side
@@ -201,7 +219,8 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     disable_bars()
     setup_logging(request["log_path"], append=True)
     try:
-        value = _resolve(request["target"])(*request["args"], **request["kwargs"])
+        args, kwargs = pickle.loads(request["call"])
+        value = _resolve(request["target"])(*args, **kwargs)
         reply: dict[str, Any] = {"status": "ok", "value": value}
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -223,6 +242,7 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
 def serve(socket_path: str, parent_pid: int | None, preload: tuple[str, ...] = PRELOAD, idle_s: float = 0.5) -> None:
     """Import ``preload``, listen on ``socket_path``, fork one child per request until told to stop or until
     ``parent_pid`` is gone."""
+    code = _code_digest()  # before the imports: an edit during them makes jobs run cold, never on stale code
     for name in preload:
         importlib.import_module(name)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -238,33 +258,43 @@ def serve(socket_path: str, parent_pid: int | None, preload: tuple[str, ...] = P
                 log.info("warm server: parent %d is gone, stopping", parent_pid)
                 return
             ready, _, _ = select.select([server], [], [], idle_s)
-            if not ready:
-                continue
-            conn, _ = server.accept()
-            try:
-                request, fds = _recv(conn, with_fds=3)
-            except (EOFError, OSError, pickle.UnpicklingError) as exc:
-                log.warning("warm server: unreadable request (%s), ignored", exc)
-                conn.close()
-                continue
-            if request.get("target") == _SHUTDOWN:
-                conn.close()
+            if ready and _serve_one(server, code):
                 return
-            pid = os.fork()
-            if pid == 0:  # the child: never returns into the server's loop
-                code = 1
-                try:
-                    server.close()
-                    code = _run_child(conn, request, fds)
-                finally:
-                    os._exit(code)
-            for fd in fds:
-                os.close(fd)
-            conn.close()
-            log.info("warm server: %s for pid %s in child %d", request["target"], request.get("client_pid"), pid)
     finally:
         server.close()
         Path(socket_path).unlink(missing_ok=True)
+
+
+def _serve_one(server: socket.socket, code: str) -> bool:
+    """Answer one connection: fork its job, tell it to run cold, or (True) stop. Never raises: a bad request
+    costs that job its warm start, not the server."""
+    conn, _ = server.accept()
+    fds: list[int] = []
+    try:
+        request, fds = _recv(conn, with_fds=3)
+        if request.get("target") == _SHUTDOWN:
+            return True
+        if request.get("code") != code:
+            _send(conn, {"status": "cold", "why": "the package's code changed since the warm server started"})
+            return False
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the server's loop
+            status = 1
+            try:
+                server.close()
+                _send(conn, {"status": "started", "pid": os.getpid()})
+                status = _run_child(conn, request, fds)
+            finally:
+                os._exit(status)
+        log.info("warm server: %s for pid %s in child %d", request["target"], request.get("client_pid"), pid)
+    except Exception as exc:
+        log.warning("warm server: request not served (%s: %s); its job runs in its own process",
+                    type(exc).__name__, exc)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    return False
 
 
 def _reap() -> None:

@@ -26,7 +26,7 @@ from fedhisto.profiles import PROFILES
 from fedhisto.progress import progress_iter
 from fedhisto.sources import SourceRow
 from fedhisto.synth.families import encode_jpeg, make_copy
-from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.synth.stain import SITE_STYLES, SiteStyle, render_rgb
 from fedhisto.synth.tissue import tissue
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,11 @@ def _rng(seed: int, *stream: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, *stream]))
 
 
-def external_grades(cls: str, n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
-    """(differentiation, magnification) of ``n`` external images of class ``cls``: grades and 20x/40x
-    balanced, then shuffled (LungHist700's mix; Normal tissue has no grade)."""
-    diffs = [""] * n if cls == "Normal" else [("well", "moderately", "poorly")[i % 3] for i in range(n)]
+def external_grades(cls: str, n: int, rng: np.random.Generator,
+                    grades: Sequence[str] = ("well", "moderately", "poorly")) -> list[tuple[str, str]]:
+    """(differentiation, magnification) of ``n`` external images of class ``cls``: ``grades`` cycled and
+    20x/40x balanced, then shuffled (LungHist700's mix by default; Normal tissue has no grade)."""
+    diffs = [""] * n if cls == "Normal" else [grades[i % len(grades)] for i in range(n)]
     mags = [("20x", "40x")[i % 2] for i in range(n)]
     rng.shuffle(diffs)
     rng.shuffle(mags)
@@ -79,8 +80,10 @@ def plan_cohort(cfg: SyntheticCohort) -> list[Member]:
     for site, counts in profile.site_counts().items():
         originals += [Member(site, cls, 0) for cls in CLASSES for _ in range(counts[cls])]
     rng = _rng(cfg.seed, 0)
+    external = cfg.external_per_class or profile.external
     for c, cls in enumerate(CLASSES):
-        originals += [Member("external", cls, 0, d, m) for d, m in external_grades(cls, profile.external[c], rng)]
+        originals += [Member("external", cls, 0, d, m)
+                      for d, m in external_grades(cls, external[c], rng, cfg.external_grades)]
     for key, m in enumerate(originals):
         m.key = key
 
@@ -139,9 +142,18 @@ def render_original(m: Member, cfg: SyntheticCohort) -> bytes:
     edge = cfg.external_image_size if m.site == "external" else cfg.image_size
     scale = edge / BASE_EDGE * MAGNIFICATION_SCALE[m.magnification]
     h, e = tissue(m.label, rng, edge, scale, m.differentiation)
-    style = SITE_STYLES[m.site].jittered(rng)
+    style = site_style(m.site, cfg).jittered(rng)
     rgb = render_rgb(h, e, style, rng, scale)
     return encode_jpeg(Image.fromarray(rgb), style.jpeg_quality)
+
+
+def site_style(site: str, cfg: SyntheticCohort) -> SiteStyle:
+    """A site's stain and scanner; the external site's at ``cfg.external_severity`` (1: as defined)."""
+    if site != "external" or cfg.external_severity == 1.0:
+        return SITE_STYLES[site]
+    from fedhisto.synth.severity import style_at  # it builds on this module
+
+    return style_at(cfg.external_severity)
 
 
 def _render_job(args: tuple[Member, SyntheticCohort, str]) -> None:
