@@ -44,6 +44,10 @@ class SyntheticCohort(Strict):
         json_schema_extra=unless(["well", "moderately", "poorly"]),
         description="differentiation grades the external ACA and SCC images cycle through (then shuffled); "
                     "poorly differentiated ACA loses its glands and looks like SCC's solid nests")
+    external_magnifications: list[Literal["20x", "40x"]] = Field(
+        default_factory=lambda: ["20x", "40x"], min_length=1, json_schema_extra=unless(["20x", "40x"]),
+        description="magnifications the external images cycle through (then shuffled); 40x shows fewer, "
+                    "larger structures per tile than any internal image")
     external_per_class: tuple[int, int, int] | None = Field(
         None, json_schema_extra=IF_CHANGED,
         description="external images per class (ACA, Normal, SCC); null: the profile's")

@@ -63,11 +63,12 @@ def _rng(seed: int, *stream: int) -> np.random.Generator:
 
 
 def external_grades(cls: str, n: int, rng: np.random.Generator,
-                    grades: Sequence[str] = ("well", "moderately", "poorly")) -> list[tuple[str, str]]:
-    """(differentiation, magnification) of ``n`` external images of class ``cls``: ``grades`` cycled and
-    20x/40x balanced, then shuffled (LungHist700's mix by default; Normal tissue has no grade)."""
+                    grades: Sequence[str] = ("well", "moderately", "poorly"),
+                    magnifications: Sequence[str] = ("20x", "40x")) -> list[tuple[str, str]]:
+    """(differentiation, magnification) of ``n`` external images of class ``cls``: ``grades`` and
+    ``magnifications`` cycled, then shuffled (LungHist700's mix by default; Normal tissue has no grade)."""
     diffs = [""] * n if cls == "Normal" else [grades[i % len(grades)] for i in range(n)]
-    mags = [("20x", "40x")[i % 2] for i in range(n)]
+    mags = [magnifications[i % len(magnifications)] for i in range(n)]
     rng.shuffle(diffs)
     rng.shuffle(mags)
     return list(zip(diffs, mags, strict=True))
@@ -83,7 +84,8 @@ def plan_cohort(cfg: SyntheticCohort) -> list[Member]:
     external = cfg.external_per_class or profile.external
     for c, cls in enumerate(CLASSES):
         originals += [Member("external", cls, 0, d, m)
-                      for d, m in external_grades(cls, external[c], rng, cfg.external_grades)]
+                      for d, m in external_grades(cls, external[c], rng, cfg.external_grades,
+                                                    cfg.external_magnifications)]
     for key, m in enumerate(originals):
         m.key = key
 
