@@ -13,7 +13,8 @@ What a child is, and why its results are those of a fresh process:
   environment (``os.environ`` replaced by the client's), its stdin/stdout/stderr the job's own file descriptors
   (passed over the socket), its log file set up by the job (:func:`fedhisto.entry.setup_logging`, appending);
 - the server computes nothing: it never runs a torch operation, so no intra-op thread pool, CUDA context or
-  random draw is inherited; the child reseeds the unseeded global generators (Python's, NumPy's, torch's) from the
+  random draw is inherited (its only other threads are the BLAS libraries' idle worker pools, which OpenBLAS
+  re-creates in a forked child through its ``pthread_atfork`` handler); the child reseeds the unseeded global generators (Python's, NumPy's, torch's) from the
   OS as a fresh process does, and the stage sets its threads and seeds as it does in a fresh process
   (``tests/test_warm.py`` checks a training run's files are byte-identical either way);
 - it lives exactly as long as the job: the job process waits on the socket, and a thread in the child ends the
@@ -58,7 +59,7 @@ ENV_SWITCH = "FEDHISTO_WARM"  # "0": no server, every job in its own process
 #: What the server imports before it listens: what the torch stages' start-up spends its time on.
 PRELOAD = ("torch", "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers", "peft",
            "fedhisto.train.stage", "fedhisto.predict", "fedhisto.pretrain", "fedhisto.accounting", "fedhisto.stain",
-           "fedhisto.metrics", "fedhisto.bootstrap", "fedhisto.report")
+           "fedhisto.metrics", "fedhisto.bootstrap", "fedhisto.report", "sklearn.metrics", "fedhisto.figures")
 _HEADER = struct.Struct("!Q")
 _SHUTDOWN = "__shutdown__"
 _STARTED: list[str] = []  # sockets of the servers this process started (and so stops)
