@@ -169,3 +169,47 @@ def test_every_copy_transform_yields_a_readable_image(transform: str):
         img.load()
         assert img.mode == "RGB"
     assert (data == original) == (transform == "exact")
+
+
+def _external(cfg: SyntheticCohort):
+    return [m for m in plan_cohort(cfg) if m.site == "external" and not m.transform]
+
+
+@pytest.mark.parametrize("update, check", [
+    ({"external_grades": ["poorly"]},
+     lambda ms: {m.differentiation for m in ms if m.label != "Normal"} == {"poorly"}),
+    ({"external_magnifications": ["40x"]}, lambda ms: {m.magnification for m in ms} == {"40x"}),
+    ({"external_per_class": (5, 4, 3)},
+     lambda ms: Counter(m.label for m in ms) == {"ACA": 5, "Normal": 4, "SCC": 3}),
+])
+def test_external_cohort_options_shape_the_external_site_only(update, check):
+    base, changed = SyntheticCohort(), SyntheticCohort(**update)
+    assert check(_external(changed)) and not check(_external(base))
+    internal = lambda cfg: [(m.site, m.label, m.key) for m in plan_cohort(cfg)  # noqa: E731
+                            if m.site != "external" and not m.transform]
+    assert internal(changed) == internal(base)  # the internal originals are untouched
+
+
+def test_external_severity_renders_the_external_site_at_that_point_of_the_shift_line():
+    from fedhisto.synth.cohort import render_original, site_style
+    from fedhisto.synth.severity import style_at
+
+    cfg = SyntheticCohort(external_severity=2.0)
+    assert site_style("external", cfg) == style_at(2.0) != SITE_STYLES["external"]
+    assert site_style("site1", cfg) == SITE_STYLES["site1"]
+    m = _external(cfg)[0]
+    assert render_original(m, cfg) != render_original(m, SyntheticCohort())
+    assert site_style("external", SyntheticCohort()) is SITE_STYLES["external"]  # the default renders as before
+
+
+def test_external_cohort_options_at_their_defaults_keep_the_cohort_identity():
+    from fedhisto.config import load_config
+    from fedhisto.stage_config import stage_block
+
+    explicit = {"cohort": {"synthetic": {"external_severity": 1.0, "external_grades": ["well", "moderately", "poorly"],
+                                         "external_magnifications": ["20x", "40x"], "external_per_class": None}}}
+    assert stage_block(load_config(explicit), "cohort") == stage_block(load_config({}), "cohort")
+    assert stage_block(load_config({"cohort": {"synthetic": {"external_severity": 1.5}}}), "cohort") != stage_block(
+        load_config({}), "cohort")
+    with pytest.raises(ValueError, match="external_per_class"):
+        SyntheticCohort(external_per_class=(3, 0, 3))

@@ -50,7 +50,8 @@ class SyntheticCohort(Strict):
                     "larger structures per tile than any internal image")
     external_per_class: tuple[int, int, int] | None = Field(
         None, json_schema_extra=IF_CHANGED,
-        description="external images per class (ACA, Normal, SCC); null: the profile's")
+        description="external images per class (ACA, Normal, SCC); null: the profile's. The planted copies are "
+                    "drawn after the external plan from one stream, so another size also re-draws them")
     planted: PlantedFamilies = PlantedFamilies()
 
     @field_validator("external_per_class")
