@@ -1,5 +1,7 @@
 # Parse-time configuration checks: the JSON schema first (house style), then the typed
 # per-stage models, whose errors name the dotted key and the allowed values.
+import os
+
 from snakemake.utils import validate
 
 from fedhisto.bootstrap import comparison_files
@@ -21,10 +23,22 @@ ENV = "../../envs/fedhisto.yaml"
 CLEARANCE_THREADS = 1 if CFG.cohort.mode == "synthetic" else 2
 
 
+# The scripts that hand their stage to the warm server (fedhisto.warm.call): the torch stages.
+WARM_SCRIPTS = {"train.py", "predict.py", "pretrain.py", "stain.py", "accounting.py", "metrics.py", "report.py"}
+
+
 def start_warm_server(wf):
     """Local runs only: cluster jobs run on other hosts under the scheduler's limits, conda jobs under
-    another interpreter; they all start cold, as does any job with FEDHISTO_WARM=0."""
-    if wf.local_exec and not wf.remote_exec and not wf.deployment_settings.deployment_method:
+    another interpreter; they all start cold, as does any job with FEDHISTO_WARM=0. A run with fewer than
+    three torch jobs to do skips it: the server's own imports cost about what three cold jobs' do."""
+    if not (wf.local_exec and not wf.remote_exec and not wf.deployment_settings.deployment_method):
+        return
+    try:
+        torch_jobs = sum(1 for job in wf.dag.needrun_jobs()
+                         if job.rule.script and os.path.basename(job.rule.script) in WARM_SCRIPTS)
+    except Exception:  # Snakemake's DAG API moved: start it, as for any run
+        torch_jobs = len(WARM_SCRIPTS)
+    if torch_jobs >= 3:
         start_server("logs/warm_server.log")
 
 
