@@ -28,6 +28,7 @@ probabilities 0 a round ends in the same state up to float32 rounding (tests/tes
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -159,13 +160,21 @@ def clip_per_member(params: dict[str, torch.Tensor], max_norm: float, mask: torc
 
 
 # ---------------------------------------------------------------------------- forward
+_LORA_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _lora_modules(model: FedHistoModel) -> dict[str, tuple[torch.nn.Module, str, str]]:
-    """peft LoRA layers of the encoder -> (module, name of A, name of B) in the trainable state."""
-    out = {}
-    for name, module in model.named_modules():
-        if hasattr(module, "lora_A") and hasattr(module, "base_layer") and "default" in module.lora_A:
-            out[name] = (module, f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight")
-    return out
+    """peft LoRA layers of the encoder -> (module, name of A, name of B) in the trainable state.
+
+    Found once per model (a walk over every module, hundreds per step otherwise): the LoRA layers
+    are fixed when peft wraps the encoder."""
+    if model not in _LORA_LAYERS:
+        out = {}
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_A") and hasattr(module, "base_layer") and "default" in module.lora_A:
+                out[name] = (module, f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight")
+        _LORA_LAYERS[model] = out
+    return _LORA_LAYERS[model]
 
 
 @contextmanager
@@ -224,8 +233,11 @@ def member_heads(model: FedHistoModel, params: dict[str, torch.Tensor], layout: 
     member's tensors). Returns logits and z in row order."""
     head = _Head(model)
     names = [n for n in params if not n.startswith("encoder.")]
+    # tie_weights=False: the head has no tied tensors, and untying walks every module of the model
+    # (the encoder's too) on each call, which cost more than the head's matmuls on the tiny encoder
     outs = [torch.func.functional_call(head, {f"model.{n}": params[n][m] for n in names},
-                                       (cls[s:e], descriptors[m] if descriptors is not None else None))
+                                       (cls[s:e], descriptors[m] if descriptors is not None else None),
+                                       tie_weights=False)
             for m, s, e in layout.spans()]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
