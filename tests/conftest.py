@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,15 @@ import yaml
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `pytest -n auto` every worker is its own torch process: torch's default of one OpenMP
+    # thread per core would put workers x cores threads on the cores, and they spin against each
+    # other (measured on 2 cores: 947 s of user CPU for the 587 s the suite takes in one process).
+    # One thread per worker, inherited by the Snakemake runs and stage processes the tests start
+    # (stages still set their own count from `threads:`).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 def write_image(path: Path, seed: int = 0, size: int = 24, fmt: str | None = None, mode: str = "RGB") -> Path:
