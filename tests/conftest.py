@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # (stages still set their own count from `threads:`).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+
+@pytest.fixture(autouse=True)
+def _stage_logging_stays_in_its_test():
+    """A test that runs a stage in-process gets ``entry.setup_logging``'s root handlers on the stderr
+    pytest captured for it; left in place, a later test's log lines go to that closed stream and
+    "--- Logging error ---" lands on the later test's stderr (seen under ``-n auto``, where a worker's
+    test order differs). Remove the plain stream and file handlers a test added, and its excepthook."""
+    root = logging.getLogger()
+    before, hook = list(root.handlers), sys.excepthook
+    yield
+    for handler in list(root.handlers):
+        if type(handler) in (logging.StreamHandler, logging.FileHandler) and handler not in before:
+            root.removeHandler(handler)
+            handler.close()
+    sys.excepthook = hook
 
 
 def write_image(path: Path, seed: int = 0, size: int = 24, fmt: str | None = None, mode: str = "RGB") -> Path:
