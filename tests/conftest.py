@@ -24,7 +24,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
-
 @pytest.fixture(autouse=True)
 def _stage_logging_stays_in_its_test():
     """A test that runs a stage in-process gets ``entry.setup_logging``'s root handlers on the stderr
