@@ -2,11 +2,23 @@
 
 One entry script for the stage's rules; each rule calls one library function. Standalone:
 ``snakemake results/experiments/<name>/<name>.json`` (the experiments need the main pipeline's artifacts).
+
+Every rule but two (rendering the shifted cohort, which forks a process pool, and building a condition's
+manifest, which needs no torch) hands its function to the warm server (``fedhisto.warm.call``), as the main stages' scripts do:
+an experiments run is mostly short torch jobs (a sensitivity run alone has 94), each of which otherwise
+spent its first seconds importing torch, transformers and peft. The functions and arguments are those of
+a cold job; only the process that runs them differs.
 """
 
 from pathlib import Path
 
-from fedhisto.entry import from_snakemake
+from fedhisto.entry import from_snakemake, log_of
+from fedhisto.warm import call
+
+
+def warm(target: str, *args, **kwargs):
+    return call(target, *args, log_path=log_of(smk), **kwargs)
+
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
@@ -18,10 +30,9 @@ if "snakemake" in globals():
         run_render_shift(cfg, Path(smk.output.cohort).parent, threads=smk.threads)
     elif rule == "pretrain_plain_encoder":
         from fedhisto.experiments.layout import plain_encoder_config
-        from fedhisto.pretrain import run_pretrain
 
-        run_pretrain(plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads,
-                     manifest_csv=smk.input.get("manifest"))
+        warm("fedhisto.pretrain:run_pretrain", plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads,
+             manifest_csv=smk.input.get("manifest"))
     elif rule == "build_condition_manifest":
         from fedhisto.experiments.conditions import leave_one_site_out_manifest, policy_manifest
 
@@ -33,84 +44,67 @@ if "snakemake" in globals():
             leave_one_site_out_manifest(smk.input.manifest, smk.input.identity, name, cfg, out)
     elif rule == "train_encoder_condition":
         from fedhisto.experiments.layout import condition_config
-        from fedhisto.train.stage import run_train
 
-        run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
-                  smk.input.descriptors, condition_config(cfg, f"dose_response/{smk.wildcards.label}"),
-                  Path(smk.output.status).parent, encoder_dir=None, threads=smk.threads)
+        warm("fedhisto.train.stage:run_train", smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
+             smk.input.descriptors, condition_config(cfg, f"dose_response/{smk.wildcards.label}"),
+             Path(smk.output.status).parent, encoder_dir=None, threads=smk.threads)
     elif rule == "predict_shifted_cohort":
         from fedhisto.experiments.layout import condition_config
-        from fedhisto.experiments.shifted import predict_shifted
 
-        predict_shifted(smk.wildcards.method, int(smk.wildcards.seed), Path(smk.input.status).parent,
-                        smk.input.manifest, smk.input.identity, smk.input.descriptors, smk.input.cohort,
-                        condition_config(cfg, f"dose_response/{smk.wildcards.encoder}"),
-                        smk.output.predictions, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
-                        threads=smk.threads)
+        warm("fedhisto.experiments.shifted:predict_shifted", smk.wildcards.method, int(smk.wildcards.seed),
+             Path(smk.input.status).parent, smk.input.manifest, smk.input.identity, smk.input.descriptors,
+             smk.input.cohort, condition_config(cfg, f"dose_response/{smk.wildcards.encoder}"),
+             smk.output.predictions, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
+             threads=smk.threads)
     elif rule == "summarize_dose_response":
-        from fedhisto.experiments.dose_response import summarise_dose_response
-
-        summarise_dose_response([tuple(r) for r in smk.params.runs], smk.input.cohort, cfg,
-                                Path(smk.output.json).parent)
+        warm("fedhisto.experiments.dose_response:summarise_dose_response", [tuple(r) for r in smk.params.runs],
+             smk.input.cohort, cfg, Path(smk.output.json).parent)
     elif rule == "summarize_leakage":
-        from fedhisto.experiments.leakage import summarise_leakage
-
-        summarise_leakage([tuple(r) for r in smk.params.runs], dict(smk.params.manifests), cfg,
-                          Path(smk.output.json).parent)
+        warm("fedhisto.experiments.leakage:summarise_leakage", [tuple(r) for r in smk.params.runs],
+             dict(smk.params.manifests), cfg, Path(smk.output.json).parent)
     elif rule == "summarize_leave_one_site_out":
-        from fedhisto.experiments.leave_one_site_out import summarise_leave_one_site_out
-
-        summarise_leave_one_site_out([tuple(r) for r in smk.params.runs], cfg, Path(smk.output.json).parent)
+        warm("fedhisto.experiments.leave_one_site_out:summarise_leave_one_site_out",
+             [tuple(r) for r in smk.params.runs], cfg, Path(smk.output.json).parent)
     elif rule == "calibrate_checkpoints":
-        from fedhisto.experiments.calibration import summarise_calibration
-
-        summarise_calibration([tuple(r) for r in smk.params.runs], cfg, Path(smk.output.json).parent)
+        warm("fedhisto.experiments.calibration:summarise_calibration", [tuple(r) for r in smk.params.runs], cfg,
+             Path(smk.output.json).parent)
     elif rule == "probe_encoder":
-        from fedhisto.experiments.probe import probe_condition
-
-        probe_condition(cfg, smk.wildcards.encoder, smk.input.cohort, Path(smk.output.json).parent,
-                        encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
+        warm("fedhisto.experiments.probe:probe_condition", cfg, smk.wildcards.encoder, smk.input.cohort,
+             Path(smk.output.json).parent, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
+             threads=smk.threads)
     elif rule == "summarize_probe":
-        from fedhisto.experiments.probe import summarise_probe
-
-        summarise_probe(dict(smk.params.probes), smk.input.dose_response, cfg, Path(smk.output.json).parent)
+        warm("fedhisto.experiments.probe:summarise_probe", dict(smk.params.probes), smk.input.dose_response, cfg,
+             Path(smk.output.json).parent)
     elif rule == "train_sensitivity":
         from fedhisto.experiments.sensitivity_layout import reading_config
-        from fedhisto.train.stage import run_train
 
-        run_train(smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest, smk.input.identity,
-                  smk.input.descriptors, reading_config(cfg, smk.wildcards.reading), Path(smk.output.status).parent,
-                  encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
+        warm("fedhisto.train.stage:run_train", smk.wildcards.method, int(smk.wildcards.seed), smk.input.manifest,
+             smk.input.identity, smk.input.descriptors, reading_config(cfg, smk.wildcards.reading),
+             Path(smk.output.status).parent, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
+             threads=smk.threads)
     elif rule == "predict_sensitivity":
         from fedhisto.experiments.sensitivity_layout import reading_config
-        from fedhisto.predict import run_predict
 
-        run_predict(smk.wildcards.method, int(smk.wildcards.seed), Path(smk.input.status).parent, smk.input.manifest,
-                    smk.input.identity, smk.input.descriptors, reading_config(cfg, smk.wildcards.reading),
-                    Path(smk.output.external).parent, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
-                    threads=smk.threads)
+        warm("fedhisto.predict:run_predict", smk.wildcards.method, int(smk.wildcards.seed),
+             Path(smk.input.status).parent, smk.input.manifest, smk.input.identity, smk.input.descriptors,
+             reading_config(cfg, smk.wildcards.reading), Path(smk.output.external).parent,
+             encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
     elif rule == "predict_sensitivity_shifted":
         from fedhisto.experiments.sensitivity_layout import reading_config
-        from fedhisto.experiments.shifted import predict_shifted
 
-        predict_shifted(smk.wildcards.method, int(smk.wildcards.seed), Path(smk.input.status).parent,
-                        smk.input.manifest, smk.input.identity, smk.input.descriptors, smk.input.cohort,
-                        reading_config(cfg, smk.wildcards.reading), smk.output.predictions,
-                        encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
+        warm("fedhisto.experiments.shifted:predict_shifted", smk.wildcards.method, int(smk.wildcards.seed),
+             Path(smk.input.status).parent, smk.input.manifest, smk.input.identity, smk.input.descriptors,
+             smk.input.cohort, reading_config(cfg, smk.wildcards.reading), smk.output.predictions,
+             encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
     elif rule == "summarize_sensitivity":
-        from fedhisto.experiments.sensitivity import summarise_sensitivity
-
-        summarise_sensitivity([tuple(r) for r in smk.params.runs], smk.input.cohort[0] if smk.input.cohort else None,
-                              cfg, Path(smk.output.json).parent)
+        warm("fedhisto.experiments.sensitivity:summarise_sensitivity", [tuple(r) for r in smk.params.runs],
+             smk.input.cohort[0] if smk.input.cohort else None, cfg, Path(smk.output.json).parent)
     elif rule == "audit_privacy_condition":
-        from fedhisto.experiments.privacy_audit import run_condition
-
-        run_condition(cfg, smk.wildcards.audit, smk.input.manifest, smk.input.identity, smk.input.descriptors,
-                      smk.output.json, encoder_dir=smk.input.encoder[0] if smk.input.encoder else None,
-                      threads=smk.threads)
+        warm("fedhisto.experiments.privacy_audit:run_condition", cfg, smk.wildcards.audit, smk.input.manifest,
+             smk.input.identity, smk.input.descriptors, smk.output.json,
+             encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, threads=smk.threads)
     elif rule == "summarize_privacy_audit":
-        from fedhisto.experiments.privacy_audit import summarise_privacy_audit
-
-        summarise_privacy_audit(list(smk.input.audits), cfg, Path(smk.output.json).parent)
+        warm("fedhisto.experiments.privacy_audit:summarise_privacy_audit", list(smk.input.audits), cfg,
+             Path(smk.output.json).parent)
     else:
         raise SystemExit(f"scripts/experiments.py: no function for rule {rule!r}")

@@ -23,8 +23,10 @@ ENV = "../../envs/fedhisto.yaml"
 CLEARANCE_THREADS = 1 if CFG.cohort.mode == "synthetic" else 2
 
 
-# The scripts that hand their stage to the warm server (fedhisto.warm.call): the torch stages.
-WARM_SCRIPTS = {"train.py", "predict.py", "pretrain.py", "stain.py", "accounting.py", "metrics.py", "report.py"}
+# The scripts that hand their stage to the warm server (fedhisto.warm.call): the torch stages, and the
+# experiments' rules (scripts/experiments.py: all but two of them).
+WARM_SCRIPTS = {"train.py", "predict.py", "pretrain.py", "stain.py", "accounting.py", "metrics.py", "report.py",
+                "experiments.py"}
 
 
 def start_warm_server(wf):
