@@ -50,7 +50,7 @@ def _client(code: str, server: dict | None, tmp_path: Path, **extra: str) -> sub
     else:
         env.pop(warm.ENV_SOCKET, None)
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)  # a hang guard, not a speed check: CI on a slow day took >120 s cold
 
 
 CALL = ("import json, sys\nfrom fedhisto.warm import call\nfrom fedhisto.entry import setup_logging\n"
