@@ -11,7 +11,7 @@ from fedhisto.clearance import ClearanceError, run_audit_folder
 from fedhisto.clearance.engine import audit_images
 from fedhisto.clearance.families import components, pairwise_scores
 from fedhisto.clearance.hashing import dihedral_phashes, phash_pairs
-from fedhisto.clearance.verify import extract, make_detector, verify
+from fedhisto.clearance.verify import extract, make_detector, ratio_matches, verify
 from fedhisto.config import ClearanceConfig
 from fedhisto.synth.families import encode_jpeg, rotate_zoom, stain_shift
 from fedhisto.synth.stain import SITE_STYLES, render_rgb
@@ -85,6 +85,50 @@ def test_unrelated_tissue_is_rejected(detector, a, b):
     det, norm = detector
     v = verify(extract(np.asarray(tile(a, 11)), det), extract(np.asarray(tile(b, 12)), det), norm, 0.75, 10)
     assert not v.confirmed(10) and v.inliers < 10
+
+
+def _opencv_ratio_matches(da, db, norm, ratio):
+    import cv2
+
+    knn = cv2.BFMatcher(norm).knnMatch(da, db, k=2)
+    good = [m[0] for m in knn if len(m) == 2 and m[0].distance < ratio * m[1].distance]
+    return [g.queryIdx for g in good], [g.trainIdx for g in good]
+
+
+@pytest.mark.parametrize("case", ["sift_pictures", "random_integers", "near_copies_and_ties", "non_integral"])
+def test_ratio_matches_are_opencvs_brute_force_knn_match(case):
+    """The matrix-product matcher returns OpenCV's knnMatch(k=2) + ratio test, index for index: on real
+    SIFT features (direct and mirrored), on integer descriptors up to 255 (the exactness bound), on
+    copies with ties between nearest and second, and (through OpenCV itself) on non-integral floats."""
+    import cv2
+
+    rng = np.random.default_rng(7)
+    if case == "sift_pictures":
+        det, _ = make_detector("sift", 400)
+        original = tile("ACA", 7)
+        a = extract(np.asarray(original), det)
+        b = extract(np.asarray(rotate_zoom(original, 17.0).convert("RGB")), det)
+        pairs = [(a.descriptors, b.descriptors), (a.descriptors_mirror, b.descriptors), (a.descriptors, a.descriptors)]
+    elif case == "random_integers":
+        pairs = [(rng.integers(0, 256, (300, 128)).astype(np.float32), rng.integers(0, 256, (250, 128)).astype(np.float32))]
+    elif case == "near_copies_and_ties":
+        db = rng.integers(0, 256, (200, 128)).astype(np.float32)
+        db[100:] = db[:100]  # every train row twice: nearest and second tie
+        da = np.clip(db[:150] + rng.integers(-2, 3, (150, 128)), 0, 255).astype(np.float32)
+        pairs = [(da, db), (da, db[:100])]
+    else:
+        da = rng.random((120, 128), np.float32)
+        pairs = [(da, (da[:90] + 0.01 * rng.random((90, 128))).astype(np.float32))]
+    found = []
+    for da, db in pairs:
+        q, t = ratio_matches(da, db, cv2.NORM_L2, 0.75)
+        q_cv, t_cv = _opencv_ratio_matches(da, db, cv2.NORM_L2, 0.75)
+        assert (q.tolist(), t.tolist()) == (q_cv, t_cv)
+        found.append(len(q))
+    # the cases must reach both outcomes of the test: matches found (copies) and none (ties, noise)
+    expected = {"sift_pictures": [True, None, True], "random_integers": [False],
+                "near_copies_and_ties": [False, True], "non_integral": [True]}[case]
+    assert [None if e is None else n >= 50 for n, e in zip(found, expected, strict=True)] == expected, found
 
 
 def test_components_keep_first_listed_as_root():

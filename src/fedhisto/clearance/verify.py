@@ -85,24 +85,59 @@ def extract(rgb: np.ndarray, detector) -> Features:
     return Features(points, des, np.float32([kp.pt for kp in kps_m]), des_m)
 
 
+def _integral(d: np.ndarray) -> bool:
+    return d.dtype == np.float32 and bool(np.all(d == np.rint(d))) and float(np.abs(d).max(initial=0)) <= 255
+
+
+def ratio_matches(da: np.ndarray, db: np.ndarray, norm: int, ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """Lowe's ratio test over each query descriptor's two nearest train descriptors: (query, train)
+    indices of the matches whose nearest distance is below ``ratio`` x the second's, in query order.
+
+    The result is OpenCV's brute-force ``knnMatch(k=2)``'s, bit for bit, and several times faster for
+    SIFT (half of clearance's time was OpenCV's per-pair matcher). OpenCV's SIFT descriptors are
+    integers 0-255 stored as float32, so every dot product, squared norm and squared distance is an
+    integer below 2**24 (2 x 128 x 255**2): float32 arithmetic is exact in any summation order, and the float32
+    square root of the exact squared distance is the distance OpenCV computes. Ties between the
+    nearest and the second never pass the test (d1 < ratio x d1 is false), so which index a tie picks
+    does not matter. Other descriptors (ORB's binary ones, non-integral floats) use OpenCV's matcher."""
+    if norm != cv2.NORM_L2 or not (_integral(da) and _integral(db)):
+        knn = cv2.BFMatcher(norm).knnMatch(da, db, k=2)
+        good = [m[0] for m in knn if len(m) == 2 and m[0].distance < ratio * m[1].distance]
+        return (np.array([g.queryIdx for g in good], dtype=np.intp), np.array([g.trainIdx for g in good], dtype=np.intp))
+    # |a - b|^2 = |a|^2 + (|b|^2 - 2 a.b): the row term |a|^2 does not move a row's argmin, and the
+    # bracket is built in place in the product's buffer (fresh 400 x 400 temporaries cost more in page
+    # faults than the arithmetic). Exact: integers below 2 x 128 x 255**2 < 2**24.
+    d2 = da @ db.T
+    d2 *= -2.0
+    d2 += np.einsum("ij,ij->i", db, db)[None, :]
+    rows = np.arange(len(da))
+    nearest = np.argmin(d2, axis=1)
+    sq_a = np.einsum("ij,ij->i", da, da)
+    first = d2[rows, nearest] + sq_a
+    d2[rows, nearest] = np.inf
+    second = d2.min(axis=1) + sq_a
+    keep = np.sqrt(first).astype(np.float64) < ratio * np.sqrt(second).astype(np.float64)  # OpenCV's float32 distances
+    query = np.flatnonzero(keep)
+    return query, nearest[query]
+
+
 def _fit(pa: np.ndarray, da: np.ndarray, pb: np.ndarray, db: np.ndarray, norm: int, ratio: float,
          mirrored: bool) -> Verdict:
     none = Verdict(0, 0, 0.0, 0.0, mirrored)
     if len(da) < 2 or len(db) < 2:
         return none
-    knn = cv2.BFMatcher(norm).knnMatch(da, db, k=2)
-    good = [m[0] for m in knn if len(m) == 2 and m[0].distance < ratio * m[1].distance]
-    if len(good) < 3:
-        return Verdict(0, len(good), 0.0, 0.0, mirrored)
-    src = pa[[g.queryIdx for g in good]]
-    dst = pb[[g.trainIdx for g in good]]
+    query, train = ratio_matches(da, db, norm, ratio)
+    if len(query) < 3:
+        return Verdict(0, len(query), 0.0, 0.0, mirrored)
+    src = pa[query]
+    dst = pb[train]
     model, mask = cv2.estimateAffinePartial2D(src, dst, method=cv2.RANSAC, ransacReprojThreshold=RANSAC_PX,
                                               maxIters=2000, confidence=0.995, refineIters=10)
     if model is None:
-        return Verdict(0, len(good), 0.0, 0.0, mirrored)
+        return Verdict(0, len(query), 0.0, 0.0, mirrored)
     scale = float(np.sqrt(abs(np.linalg.det(model[:, :2]))))
     angle = float(np.degrees(np.arctan2(model[1, 0], model[0, 0])))
-    return Verdict(int(mask.sum()), len(good), scale, angle, mirrored)
+    return Verdict(int(mask.sum()), len(query), scale, angle, mirrored)
 
 
 def verify(a: Features, b: Features, norm: int, ratio: float, min_inliers: int) -> Verdict:
