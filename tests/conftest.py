@@ -89,22 +89,27 @@ def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
     return path
 
 
-# A rendered small cohort, manifest and descriptors shared by the training tests (tiny, random encoder).
-TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
+# A rendered cohort (the "tiny" profile: half the embedded default), manifest and descriptors shared by the
+# training tests (tiny, random encoder).
+TINY_COHORT = {"synthetic": {"profile": "tiny"}}
+TINY = {"cohort": TINY_COHORT,
+        "model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
         "views": {"crop_size": 48}, "train": {"max_rounds": 4, "patience": 10, "lr": 1e-3}}
 
 
 def prepare_cohort(root: Path, tiny: dict) -> dict:
-    """A rendered small cohort, a manifest of its originals (every image its own family) and stain
+    """A rendered cohort (``tiny``'s profile), a manifest of its originals (every image its own family) and stain
     descriptors, under ``root``, with ``tiny`` as the config."""
     from fedhisto.clearance.stage import FAMILY_COLUMNS
     from fedhisto.cohort import run_cohort
-    from fedhisto.config import CohortConfig, PlantedFamilies, SyntheticCohort, load_config
+    from fedhisto.config import PlantedFamilies, load_config
     from fedhisto.manifest import run_manifest
     from fedhisto.sources import read_sources_csv
     from fedhisto.stain import run_stain
 
-    cohort = CohortConfig(synthetic=SyntheticCohort(planted=PlantedFamilies(families_per_site=0)))
+    cfg = load_config(tiny)
+    synthetic = cfg.cohort.synthetic.model_copy(update={"planted": PlantedFamilies(families_per_site=0)})
+    cohort = cfg.cohort.model_copy(update={"synthetic": synthetic})
     run_cohort(cohort, root / "cohort", threads=2)
     rows = read_sources_csv(root / "cohort/sources.csv")
     with (root / "families.csv").open("w", newline="") as fh:
@@ -114,7 +119,6 @@ def prepare_cohort(root: Path, tiny: dict) -> dict:
             w.writerow({"relpath": r.relpath, "path": r.path, "label": r.label, "site": r.site, "cohort": r.cohort,
                         "sha256": f"s{k}", "family": f"f{k}", "family_size": 1, "representative": True, "keep": True})
     (root / "edges.csv").write_text("a,b,stage,score,threshold,decision\n")
-    cfg = load_config(tiny)
     run_manifest(root / "cohort/sources.csv", root / "families.csv", root / "edges.csv", cfg, root / "manifest")
     run_stain(root / "manifest/manifest.csv", cfg, root / "stain")
     (root / "config.yaml").write_text(yaml.safe_dump(tiny))

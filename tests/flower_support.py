@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from conftest import prepare_cohort
+from conftest import TINY_COHORT, prepare_cohort
 
-TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
+TINY = {"cohort": TINY_COHORT, "model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
         "views": {"crop_size": 48},
         # sequential: the in-process reference trains each site alone, as every Flower site does (the
         # batched engine draws dropout masks once for the stacked clients, so it is not bitwise the same)

@@ -53,7 +53,7 @@ def test_other_seed_other_images():
     assert [m.relpath for m in a] != [m.relpath for m in b]
 
 
-@pytest.mark.parametrize("profile", ["small", "paper"])
+@pytest.mark.parametrize("profile", ["small", "paper", "tiny"])
 def test_originals_land_exactly_on_the_profile(profile: str):
     members = plan_cohort(SyntheticCohort(profile=profile))
     p = PROFILES[profile]

@@ -16,6 +16,7 @@ import torch
 from conftest import TINY, train
 
 from fedhisto.config import load_config
+from fedhisto.profiles import PROFILES
 from fedhisto.train.loop import ResumeRefused, load_checkpoint
 
 
@@ -134,7 +135,8 @@ def test_failed_validation_writes_failure_not_report_and_checkpoint_still_predic
     assert json.loads((out / "status.json").read_text())["status"] == "failed"
     summary = run_predict("fedprox_peft", 11, out, prepared["manifest"], prepared["identity"], prepared["descriptors"],
                           cfg, tmp_path / "pred")
-    assert summary["status"] == "failed" and summary["images"]["external"] == 64
+    external = sum(PROFILES[prepared["cfg"].cohort.synthetic.profile].external)
+    assert summary["status"] == "failed" and summary["images"]["external"] == external
     assert "failed" in (tmp_path / "pred/test.csv").read_text()
     other = tmp_path / "other_identity.json"
     other.write_text(json.dumps({"dataset_identity": "0" * 64}))
