@@ -221,7 +221,7 @@ def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dic
             ready = tmp_path / f"ready_{s}.json"
             procs.start(f"worker_{s}", worker_cmd(sock[s], s, prepared["manifest"], prepared["descriptors"],
                                                   cache_dir=cache[s], ready_file=ready))
-        _wait_for(lambda: all((tmp_path / f"ready_{s}.json").exists() for s in SITES), 120, "workers ready")
+        _wait_for(lambda: all((tmp_path / f"ready_{s}.json").exists() for s in SITES), HANG_S, "workers ready")
 
     def run(out: Path) -> list[dict]:
         from fedhisto.federation.server import FederatedRun
@@ -432,7 +432,7 @@ def test_simulation_engine_equals_in_process_engine(prepared: dict, tmp_path: Pa
     try:
         flwr_cli(["run", str(APP_DIR), "sim", "--run-config", run_config_arg(rc), "--stream"], env, timeout=600,
                  cwd=tmp_path)
-        _wait_for(lambda: (tmp_path / "flower/status.json").exists(), 60, "status.json")
+        _wait_for(lambda: (tmp_path / "flower/status.json").exists(), HANG_S, "status.json")
     finally:
         assert procs.stop_all() == []
     assert_same_states(in_process(prepared, method, tmp_path / "inproc"), tmp_path / "flower/checkpoint.pt")
