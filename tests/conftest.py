@@ -91,8 +91,7 @@ def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
 
 # A rendered cohort (the "tiny" profile: half the embedded default), manifest and descriptors shared by the
 # training tests (tiny, random encoder).
-TINY_COHORT = {"synthetic": {"profile": "tiny"}}
-TINY = {"cohort": TINY_COHORT,
+TINY = {"cohort": {"synthetic": {"profile": "tiny"}},
         "model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
         "views": {"crop_size": 48}, "train": {"max_rounds": 4, "patience": 10, "lr": 1e-3}}
 

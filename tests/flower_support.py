@@ -6,13 +6,13 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from conftest import TINY_COHORT, prepare_cohort
+from conftest import TINY as CONFTEST_TINY
+from conftest import prepare_cohort
 
-TINY = {"cohort": TINY_COHORT, "model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16},
-        "views": {"crop_size": 48},
-        # sequential: the in-process reference trains each site alone, as every Flower site does (the
-        # batched engine draws dropout masks once for the stacked clients, so it is not bitwise the same)
-        "train": {"max_rounds": 2, "patience": 10, "lr": 1e-3, "engine": "sequential"}}
+# The training tests' config (conftest.TINY: its cohort, encoder and head) with two rounds, sequential: the
+# in-process reference trains each site alone, as every Flower site does (the batched engine draws dropout
+# masks once for the stacked clients, so it is not bitwise the same)
+TINY = {**CONFTEST_TINY, "train": {**CONFTEST_TINY["train"], "max_rounds": 2, "engine": "sequential"}}
 SITES = ["C1", "C2", "C3", "C4", "C5"]
 
 

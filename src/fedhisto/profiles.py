@@ -57,8 +57,8 @@ PROFILES: dict[str, CohortProfile] = {
         test=(12, 12, 12),
         external=(24, 16, 24),
     ),
-    # Half of "small", same skew pattern: the workflow tests' and CI's cohort (every stage and experiment
-    # runs on it; clearance, training and inference cost about half). Not a study size.
+    # Half of "small", same skew pattern: the training and Flower tests' shared cohort (every run on it
+    # costs about half). Not a study size.
     "tiny": CohortProfile(
         clients={"C1": (6, 6, 7), "C2": (11, 10, 2), "C3": (5, 5, 8),
                  "C4": (2, 2, 13), "C5": (13, 19, 0)},
