@@ -144,7 +144,9 @@ def runtime_block(device: object | None = None) -> dict[str, Any]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+    # str(): torch.__version__ is a TorchVersion, and a warm job's process would import torch (1-2 s of CPU)
+    # just to unpickle it from its child's reply (fedhisto.warm)
+    return {"torch": str(torch.__version__), "python": platform.python_version(), "device": str(device),
             "cpu": cpu, "gpu": gpu, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),

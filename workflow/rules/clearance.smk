@@ -19,6 +19,7 @@ rule audit_duplicates:
         mem_mb=8000,
         runtime=120,
         gpu=0,
+    priority: CRITICAL_PATH_PRIORITY
     conda:
         ENV
     script:

@@ -19,6 +19,7 @@ if CFG.cohort.mode == "synthetic":
             mem_mb=4000,
             runtime=60,
             gpu=0,
+        priority: CRITICAL_PATH_PRIORITY
         conda:
             ENV
         script:
@@ -41,6 +42,7 @@ else:
             mem_mb=2000,
             runtime=60,
             gpu=0,
+        priority: CRITICAL_PATH_PRIORITY
         conda:
             ENV
         script:

@@ -20,6 +20,7 @@ rule build_manifest:
         mem_mb=2000,
         runtime=10,
         gpu=0,
+    priority: CRITICAL_PATH_PRIORITY
     conda:
         ENV
     script:

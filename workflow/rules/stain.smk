@@ -17,6 +17,7 @@ rule compute_stain_descriptors:
         mem_mb=2000,
         runtime=20,
         gpu=0,
+    priority: CRITICAL_PATH_PRIORITY
     conda:
         ENV
     script:
