@@ -64,3 +64,35 @@ def test_a_module_without_flowers_pull_objects_is_refused(flower_modules):
 
     with pytest.raises(RuntimeError, match="no pull_objects"):
         patch(("json",))
+
+
+def test_the_supernode_heartbeat_interval_is_set_where_flower_reads_it_and_refused_out_of_range(monkeypatch):
+    """What the SuperNode announces (the SuperLink's offline deadline is twice it) and what its sender waits
+    between heartbeats are both Flower's module constant, read at call time."""
+    import flwr.supercore.heartbeat as sender
+    import flwr.supernode.fleet_http_connection as connection
+
+    from fedhisto.federation.supernode_poll import set_heartbeat
+
+    monkeypatch.setattr(sender, "HEARTBEAT_DEFAULT_INTERVAL", sender.HEARTBEAT_DEFAULT_INTERVAL)
+    monkeypatch.setattr(connection, "HEARTBEAT_DEFAULT_INTERVAL", connection.HEARTBEAT_DEFAULT_INTERVAL)
+    assert connection.HEARTBEAT_DEFAULT_INTERVAL == 30  # Flower's default, what an unset variable keeps
+    set_heartbeat(10.0)
+    assert sender.HEARTBEAT_DEFAULT_INTERVAL == connection.HEARTBEAT_DEFAULT_INTERVAL == 10.0
+    waits = []
+
+    class Stop:  # stops the sender's loop after its first wait
+        def is_set(self):
+            return bool(waits)
+
+        def wait(self, seconds):
+            waits.append(seconds)
+            return True
+
+    beat = sender.HeartbeatSender(lambda: True)
+    beat._stop_event = Stop()
+    beat._run()  # one heartbeat, then the wait before the next: (10 - 5 s call timeout) x 0.8 +- 0.1
+    assert len(waits) == 1 and 3.5 <= waits[0] <= 4.5
+    for bad in (5.0, 4000.0):
+        with pytest.raises(ValueError, match=r"FEDHISTO_SUPERNODE_HEARTBEAT_S=.*accepts heartbeat intervals in \[10"):
+            set_heartbeat(bad)

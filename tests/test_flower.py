@@ -442,7 +442,12 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     """A SuperLink and five SuperNodes on localhost, TLS and SuperNode authentication on; past_v2, two rounds.
     The SuperLink is restarted between rounds (the ServerApp dies with it; a new run resumes from the
     checkpoint); C5's SuperNode is killed during round 2 and recorded unavailable; C5 rejoins under its
-    registered name; the ServerApp opens no image; every process is stopped on exit."""
+    registered name; the ServerApp opens no image; every process is stopped on exit.
+
+    Both process models in one federation: C1 runs Flower's own (``flower-supernode``, a new ClientApp
+    process per message that imports torch and decodes the site's images); C2-C5 run what ``fedhisto
+    site`` starts (``supernode_poll`` handing each task to a long-lived site worker), with a 10 s
+    heartbeat, so the SuperLink declares the killed C5 gone after about 20 s instead of about 60."""
     from fedhisto.federation import APP_DIR
     from fedhisto.federation.deploy import (
         Procs,
@@ -456,8 +461,10 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
         superlink_cmd,
         supernode_cmd,
         wait_port,
+        worker_cmd,
         write_connection,
     )
+    from fedhisto.federation.supernode_poll import HEARTBEAT_VAR
 
     t_start = time.time()
     wd = tmp_path
@@ -466,8 +473,10 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     port = free_port()
     home = wd / "flwr_home"
     write_connection(home, "lab", f"127.0.0.1:{port}", root_certificates=tls["ca"])
-    env = flower_env(home)
+    env = flower_env(home, extra={HEARTBEAT_VAR: "10"})  # read by the supernode_poll sites only
     procs = Procs(wd / "logs", env)
+    plain = {"C1"}  # Flower's own process model; the others hand their tasks to site workers
+    sock = {s: wd / "run" / s / "worker.sock" for s in SITES}
     out, logs = wd / "results/train/past_v2/seed11", wd / "serverapp"
     sl = superlink_cmd(port, tls=tls, database=wd / "superlink.db")
     rc = run_config(prepared, "past_v2", out, logs, **{"pause-between-rounds": 15.0})
@@ -479,12 +488,19 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
                                           "json"], env))["node-id"] for s in SITES}
 
         def start_node(s: str) -> None:
+            fast = {} if s in plain else {"worker": sock[s], "cache_dir": sock[s].parent / "cache", "fast_poll": True}
             procs.start(f"supernode_{s}", supernode_cmd(f"127.0.0.1:{port}", s, prepared["manifest"],
                                                         prepared["descriptors"], tls["ca"], keys[s][0],
-                                                        runtime_port=free_port()))
+                                                        runtime_port=free_port(), **fast))
 
         for s in SITES:
+            if s not in plain:
+                procs.start(f"worker_{s}", worker_cmd(sock[s], s, prepared["manifest"], prepared["descriptors"],
+                                                      cache_dir=sock[s].parent / "cache",
+                                                      ready_file=sock[s].parent / "ready.json"))
             start_node(s)
+        _wait_for(lambda: all((sock[s].parent / "ready.json").exists() for s in SITES if s not in plain), HANG_S,
+                  "workers ready")
         flwr_cli(["run", str(APP_DIR), "lab", "--run-config", run_config_arg(rc), "--format", "json"], env, cwd=wd)
         _wait_for(lambda: any(e["event"] == "checkpoint" and e["round"] == 1 for e in _events(logs)), HANG_S, "round 1")
         timings["round1_done_s"] = time.time() - t_start
@@ -516,6 +532,11 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     assert set(ckpt["history"][1]["unavailable_clients"]) == {"C5"}
     assert "C5" not in ckpt["history"][1]["weights"] and len(ckpt["history"][1]["weights"]) == 4
     assert json.loads((out / "status.json").read_text())["status"] == "finalised"
+    served = {}  # round 1, every action: which sites' tasks a site worker ran (the launcher's path marks them)
+    for action in ckpt["history"][0]["phases"].values():
+        for site, info in action["sites"].items():
+            served.setdefault(site, set()).add(info.get("worker-task") == 1)
+    assert served == {s: {s not in plain} for s in SITES}, served
     audits = [json.loads(p.read_text()) for p in logs.glob("serverapp_open_audit.*.json")]
     assert len(audits) >= 2  # the first and the resumed ServerApp
     data_root = str(prepared["images"])

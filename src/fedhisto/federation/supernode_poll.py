@@ -16,6 +16,12 @@ seconds (Flower's own setting, default 1.0); ``deploy.flower_env`` sets it to 0.
 ``--site-worker SOCKET`` (ours, removed before Flower parses the rest): the SuperExec then finds a
 ``flwr-clientapp`` first on PATH that hands each task to the site's worker
 (``clientapp_launcher``), so a message costs no new Python + Flower + torch process.
+
+``FEDHISTO_SUPERNODE_HEARTBEAT_S`` (unset: Flower's fixed 30 s) sets the interval the SuperNode
+announces and keeps between its heartbeats. The SuperLink declares a node gone after two intervals
+without one (``HEARTBEAT_PATIENCE``), and only then answers its pending messages with
+``NODE_UNAVAILABLE``; at 10 s (the SuperLink's minimum) a round learns of a dead site after 16-20 s
+instead of 40-60 s, for one small request every 4 s.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import time as _time
 
 POLL_VAR = "FEDHISTO_SUPERNODE_POLL_S"
+HEARTBEAT_VAR = "FEDHISTO_SUPERNODE_HEARTBEAT_S"
 
 
 class CappedClock:
@@ -44,6 +51,20 @@ def patch(cap: float) -> None:
     import flwr.supernode.start_client_internal as loop
 
     loop.time = CappedClock(cap)  # type: ignore[assignment]
+
+
+def set_heartbeat(seconds: float) -> None:
+    """The SuperNode's heartbeat interval: what it announces to the SuperLink (``fleet_http_connection``)
+    and what its sender waits between heartbeats (``supercore.heartbeat``), both Flower's fixed
+    ``HEARTBEAT_DEFAULT_INTERVAL`` read at call time. Refused outside the SuperLink's accepted range."""
+    import flwr.supercore.heartbeat as sender
+    import flwr.supernode.fleet_http_connection as connection
+    from flwr.common.constant import HEARTBEAT_MAX_INTERVAL, HEARTBEAT_MIN_INTERVAL
+
+    if not HEARTBEAT_MIN_INTERVAL <= seconds <= HEARTBEAT_MAX_INTERVAL:
+        raise ValueError(f"{HEARTBEAT_VAR}={seconds:g}: the SuperLink accepts heartbeat intervals in "
+                         f"[{HEARTBEAT_MIN_INTERVAL}, {HEARTBEAT_MAX_INTERVAL}] s")
+    sender.HEARTBEAT_DEFAULT_INTERVAL = connection.HEARTBEAT_DEFAULT_INTERVAL = seconds  # type: ignore[attr-defined]
 
 
 def use_worker(socket_path: str) -> None:
@@ -69,6 +90,8 @@ def main() -> None:
         use_worker(argv[i + 1])
         del argv[i:i + 2]
     patch(float(os.environ.get(POLL_VAR, "0.2")))
+    if os.environ.get(HEARTBEAT_VAR):
+        set_heartbeat(float(os.environ[HEARTBEAT_VAR]))
     from fedhisto.federation.fast_pull import patch as fast_pulls
 
     fast_pulls(("flwr.supernode.start_client_internal",))  # its pulls from the SuperLink retry after 0.05 s
