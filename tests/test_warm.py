@@ -132,15 +132,26 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_warm_training_run_writes_the_files_of_a_fresh_process(server, prepared, tmp_path: Path):
-    """The same run of the training stage, through the server and in a process of its own: same bytes."""
+    """The same run of the training stage, through the server and in a process of its own: same bytes. The
+    job's own process never imports torch (it would pay torch's import for nothing: the child's reply
+    once carried a torch.TorchVersion, so every training job imported torch just to unpickle it)."""
+    import yaml
+
+    config = tmp_path / "config.yaml"  # two rounds: every hook of past_v2 runs in each
+    doc = yaml.safe_load(Path(prepared["config"]).read_text())
+    doc["train"]["max_rounds"] = 2
+    config.write_text(yaml.safe_dump(doc))
     out = {}
     for name, srv in (("warm", server), ("cold", None)):
         code = (CALL + "from fedhisto.config import load_config_file\n"
-                f"cfg = load_config_file({str(prepared['config'])!r})\n"
+                f"cfg = load_config_file({str(config)!r})\n"
                 f"call('fedhisto.train.stage:run_train', 'past_v2', 11, {str(prepared['manifest'])!r}, "
-                f"{str(prepared['identity'])!r}, {str(prepared['descriptors'])!r}, cfg, {str(tmp_path / name)!r})")
+                f"{str(prepared['identity'])!r}, {str(prepared['descriptors'])!r}, cfg, {str(tmp_path / name)!r})\n"
+                "print(json.dumps({'torch_imported': 'torch' in sys.modules}))")
         proc = _client(code, srv, tmp_path)
         assert proc.returncode == 0, proc.stderr
+        if name == "warm":
+            assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"torch_imported": False}
         out[name] = tmp_path / name
     assert json.loads((out["warm"] / "report.json").read_text())["pid"] != json.loads(
         (out["cold"] / "report.json").read_text())["pid"]
