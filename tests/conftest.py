@@ -23,6 +23,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+# Every Flower process the tests start (up to eight sites, their SuperExecs, the SuperLink) runs on the
+# same cores as the training it waits for. The deployment's default polls (SuperNode 0.2 s, SuperExec
+# 0.1 s) are a latency lever for sites on their own machines; on one 2-core host their idle requests
+# took the CPU the rounds needed: the site-local deployment test took 174 s of CPU and 128 s alone at
+# those polls, 111 s and 88 s at 1 s. Flower's own variable and ours, read by those processes only.
+os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "1.0")
+os.environ.setdefault("FEDHISTO_SUPERNODE_POLL_S", "1.0")
+
 
 @pytest.fixture(autouse=True)
 def _stage_logging_stays_in_its_test():

@@ -444,10 +444,12 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     checkpoint); C5's SuperNode is killed during round 2 and recorded unavailable; C5 rejoins under its
     registered name; the ServerApp opens no image; every process is stopped on exit.
 
-    Both process models in one federation: C1 runs Flower's own (``flower-supernode``, a new ClientApp
-    process per message that imports torch and decodes the site's images); C2-C5 run what ``fedhisto
-    site`` starts (``supernode_poll`` handing each task to a long-lived site worker), with a 10 s
-    heartbeat, so the SuperLink declares the killed C5 gone after about 20 s instead of about 60."""
+    Both process models in one federation: C1 and C5 run Flower's own (a new ClientApp process per message
+    that imports torch and decodes the site's images; C1 under ``flower-supernode`` itself, C5 through
+    ``supernode_poll`` for a 10 s heartbeat, so the SuperLink declares the killed C5 gone after about 20 s
+    instead of about 60); C2-C4 run what ``fedhisto site`` starts (``supernode_poll`` handing each task to
+    a long-lived site worker). C5 is killed inside its cold ClientApp's start-up: a worker site answers a
+    round of the tiny config in about a second, too soon to be killed in it reliably."""
     from fedhisto.federation import APP_DIR
     from fedhisto.federation.deploy import (
         Procs,
@@ -475,7 +477,7 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     write_connection(home, "lab", f"127.0.0.1:{port}", root_certificates=tls["ca"])
     env = flower_env(home, extra={HEARTBEAT_VAR: "10"})  # read by the supernode_poll sites only
     procs = Procs(wd / "logs", env)
-    plain = {"C1"}  # Flower's own process model; the others hand their tasks to site workers
+    plain = {"C1", "C5"}  # Flower's own process model; the others hand their tasks to site workers
     sock = {s: wd / "run" / s / "worker.sock" for s in SITES}
     out, logs = wd / "results/train/past_v2/seed11", wd / "serverapp"
     sl = superlink_cmd(port, tls=tls, database=wd / "superlink.db")
@@ -488,7 +490,8 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
                                           "json"], env))["node-id"] for s in SITES}
 
         def start_node(s: str) -> None:
-            fast = {} if s in plain else {"worker": sock[s], "cache_dir": sock[s].parent / "cache", "fast_poll": True}
+            fast = ({} if s == "C1" else {"fast_poll": True} if s in plain else
+                    {"worker": sock[s], "cache_dir": sock[s].parent / "cache", "fast_poll": True})
             procs.start(f"supernode_{s}", supernode_cmd(f"127.0.0.1:{port}", s, prepared["manifest"],
                                                         prepared["descriptors"], tls["ca"], keys[s][0],
                                                         runtime_port=free_port(), **fast))
@@ -511,7 +514,7 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
         flwr_cli(["run", str(APP_DIR), "lab", "--run-config", run_config_arg(rc), "--format", "json"], env, cwd=wd)
         _wait_for(lambda: [e for e in _events(logs) if e["event"] == "send" and e["action"] == "train"
                            and e["round"] == 2], HANG_S, "round 2 sent")
-        time.sleep(3.0)  # C5 is now inside round 2
+        time.sleep(1.0)  # C5 is now inside round 2: its ClientApp process is still importing torch
         procs.stop("supernode_C5", sig=signal.SIGKILL)
         timings["killed_c5_s"] = time.time() - t_start
         _wait_for(lambda: any(e["event"] in ("finished", "failed") for e in _events(logs)), HANG_S, "run end", poll=1.0)

@@ -216,8 +216,9 @@ def flower_env(flwr_home: str | Path, tag: str | None = None, extra: dict | None
     env.update({"FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                 "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "RAY_DISABLE_USAGE_STATS": "1",
                 "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                # the SuperExecs (SuperLink's and each SuperNode's) look for new tasks every 0.1 s, not 1 s
-                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
+                # the SuperExecs (SuperLink's and each SuperNode's) look for new tasks every 0.1 s, not 1 s,
+                # unless the environment sets Flower's variable (many sites on one host: slower polls cost less)
+                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": env.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1"),
                 "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}", TAG_VAR: tag or uuid.uuid4().hex})
     env.update(extra or {})
     return env
