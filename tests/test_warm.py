@@ -86,6 +86,31 @@ def test_without_a_server_or_switched_off_the_job_runs_in_its_own_process(server
     assert stale[0] == stale[1]
 
 
+def test_a_job_waits_for_a_server_still_importing_and_runs_cold_when_its_process_is_gone(tmp_path: Path):
+    """The first jobs of a run start while the server imports torch: they wait for it instead of paying
+    the same imports themselves; a server process that died before listening sends them to run cold."""
+    code = CALL + "import os\nprint(json.dumps([os.getpid(), call('warm_targets:describe', 'M4')['pid']]))"
+    sock = str(tmp_path / "s")
+    starting = subprocess.Popen([sys.executable, "-m", "fedhisto.warm", "serve", "--socket", sock, "--parent",
+                                 str(os.getpid()), "--preload", "torch"], env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT)
+    try:
+        assert not os.path.exists(sock)  # the client starts before the server listens
+        proc = _client(code, {"socket": sock}, tmp_path, **{warm.ENV_PID: str(starting.pid)})
+        assert proc.returncode == 0, proc.stderr
+        own, ran = json.loads(proc.stdout.splitlines()[-1])
+        assert own != ran  # served by a child of the server it waited for
+    finally:
+        starting.terminate()
+        starting.wait(timeout=120)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    t0 = time.monotonic()
+    proc = _client(code, {"socket": str(tmp_path / "never")}, tmp_path, **{warm.ENV_PID: str(dead.pid)})
+    own, ran = json.loads(proc.stdout.splitlines()[-1])
+    assert own == ran and time.monotonic() - t0 < warm.START_WAIT_S
+
+
 def test_an_exception_in_the_child_fails_the_job_with_its_traceback_in_the_log(server, tmp_path: Path):
     proc = _client(CALL + "call('warm_targets:fail', 'bad value 42', log_path='job.log')", server, tmp_path)
     assert proc.returncode == 1

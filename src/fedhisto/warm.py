@@ -28,8 +28,10 @@ under the scheduler's limits, nor with ``--use-conda``, whose jobs use another i
 in a private (0700) temporary folder named in ``FEDHISTO_WARM_SOCKET``, ends when Snakemake ends (``onsuccess`` /
 ``onerror``, or when its parent process is gone). It serves only jobs whose package code has the digest it
 started with (``fedhisto.code_identity.source_digest``): after an edit mid-run, jobs run cold on the new code. A
-job that finds no server (not started, not ready yet, ``FEDHISTO_WARM=0``), or that the server cannot serve, runs
-in its own process, as before.
+job that finds no server (not started, gone, ``FEDHISTO_WARM=0``), or that the server cannot serve, runs in its own
+process, as before. A job that finds the server still importing (its process alive, ``FEDHISTO_WARM_PID``, but not
+yet listening) waits for it, up to ``START_WAIT_S``: the server's imports take about what the job's own would,
+so running cold would only pay them twice (the first jobs of every run did: about 6 s of CPU each).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from typing import Any
 
 ENV_SOCKET = "FEDHISTO_WARM_SOCKET"
 ENV_SWITCH = "FEDHISTO_WARM"  # "0": no server, every job in its own process
+ENV_PID = "FEDHISTO_WARM_PID"  # the server process start_server started: a job waits while it is importing
+START_WAIT_S = 120.0  # a hang guard: the server's imports take seconds; past this, the job runs cold
 #: What the server imports before it listens: what the torch stages' start-up spends its time on.
 PRELOAD = ("torch", "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers", "peft",
            "fedhisto.train.stage", "fedhisto.predict", "fedhisto.pretrain", "fedhisto.accounting", "fedhisto.stain",
@@ -140,6 +144,7 @@ def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) ->
     path = os.environ.get(ENV_SOCKET)
     conn = None
     if path and os.environ.get(ENV_SWITCH, "1") != "0":
+        _wait_while_starting(path, os.environ.get(ENV_PID))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(path)
@@ -172,6 +177,25 @@ def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) ->
     if reply["status"] == "ok":
         return reply["value"]
     raise SystemExit(reply["code"])  # its traceback is in the job's log, written by the child
+
+
+def _wait_while_starting(path: str, pid: str | None) -> None:
+    """Until the server listens on ``path``, while its process ``pid`` is alive (at most START_WAIT_S)."""
+    if not pid or not pid.isdigit():
+        return
+    deadline = time.monotonic() + START_WAIT_S
+    while not os.path.exists(path) and _running(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a server that died unreaped still answers ``kill(pid, 0)``)."""
+    if not _alive(pid):
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: alive is all we can tell
 
 
 def _code_digest() -> str:
@@ -319,8 +343,9 @@ def _alive(pid: int) -> bool:
 
 
 def start_server(log_file: str | Path | None = None) -> str | None:
-    """Start a warm server for this process's jobs and name it in ``FEDHISTO_WARM_SOCKET``; returns the socket
-    path (``None`` when ``FEDHISTO_WARM=0``). It does not wait: jobs before it listens run cold."""
+    """Start a warm server for this process's jobs and name it in ``FEDHISTO_WARM_SOCKET`` (its process in
+    ``FEDHISTO_WARM_PID``: a job that starts before it listens waits for it); returns the socket path
+    (``None`` when ``FEDHISTO_WARM=0``). It does not wait itself."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     if os.environ.get(ENV_SOCKET):  # a server started around this run (a test, a wrapper) serves its jobs
@@ -331,12 +356,13 @@ def start_server(log_file: str | Path | None = None) -> str | None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     try:
-        subprocess.Popen([sys.executable, "-m", "fedhisto.warm", "serve", "--socket", path, "--parent",
-                          str(os.getpid())], stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        server = subprocess.Popen([sys.executable, "-m", "fedhisto.warm", "serve", "--socket", path, "--parent",
+                                   str(os.getpid())], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                  start_new_session=True)
     finally:
         if log_file:
             out.close()
-    os.environ[ENV_SOCKET] = path
+    os.environ[ENV_SOCKET], os.environ[ENV_PID] = path, str(server.pid)
     _STARTED.append(path)
     return path
 
@@ -347,6 +373,7 @@ def stop_server() -> None:
         return
     path = _STARTED.pop()
     os.environ.pop(ENV_SOCKET, None)
+    os.environ.pop(ENV_PID, None)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(path)
