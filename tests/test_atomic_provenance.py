@@ -8,6 +8,7 @@ import pytest
 from fedhisto.atomic import atomic_path, write_json, write_text
 from fedhisto.provenance import (
     config_hash,
+    cpu_caches,
     digest_path,
     provenance_block,
     read_sidecar,
@@ -70,3 +71,21 @@ def test_directory_digest_covers_names_and_bytes(tmp_path: Path):
     first = digest_path(d)
     (d / "s" / "a").rename(d / "s" / "b")
     assert digest_path(d) != first
+
+
+def _cache_index(root: Path, name: str, level: str, kind: str, size: str) -> None:
+    index = root / name
+    index.mkdir(parents=True)
+    for field, value in (("level", level), ("type", kind), ("size", size)):
+        (index / field).write_text(value + "\n")
+
+
+def test_cpu_caches_lists_every_level_in_sysfs_order_and_none_where_sysfs_is_silent(tmp_path: Path):
+    _cache_index(tmp_path, "index0", "1", "Data", "48K")
+    _cache_index(tmp_path, "index1", "1", "Instruction", "32K")
+    _cache_index(tmp_path, "index2", "2", "Unified", "1024K")
+    _cache_index(tmp_path, "index3", "3", "Unified", "32768K")
+    assert cpu_caches(tmp_path) == "L1d 48K, L1i 32K, L2 1024K, L3 32768K"
+    assert cpu_caches(tmp_path / "absent") is None
+    (tmp_path / "index3" / "size").unlink()  # a half-listed cache says nothing rather than a partial answer
+    assert cpu_caches(tmp_path) is None

@@ -128,6 +128,22 @@ def verify_sidecar(artifact: str | os.PathLike[str]) -> None:
         raise ValueError(f"{artifact}: content digest {actual} differs from its sidecar {sidecar_path(artifact)}")
 
 
+def cpu_caches(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> str | None:
+    """CPU 0's caches as the kernel lists them, e.g. "L1d 48K, L1i 32K, L2 1024K, L3 32768K"; None where
+    sysfs does not say. Two virtual machines both named "AMD EPYC" gave different float results for the
+    same code and build (docs/results_embedded_default.md); CPU kernels may block their loops by cache
+    size, so this is what tells such hosts apart in a result's runtime block."""
+    short = {"Data": "d", "Instruction": "i", "Unified": ""}
+    entries = []
+    for index in sorted(sysfs.glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            return None
+        entries.append(f"L{level}{short.get(kind, kind)} {size}")
+    return ", ".join(entries) or None
+
+
 def runtime_block(device: object | None = None) -> dict[str, Any]:
     """What a numerical result depends on beyond code and config: library versions, device and CPU/GPU
     model, thread count and determinism flags (README: bitwise only on the same machine and build)."""
@@ -147,7 +163,7 @@ def runtime_block(device: object | None = None) -> dict[str, Any]:
     # str(): torch.__version__ is a TorchVersion, and a warm job's process would import torch (1-2 s of CPU)
     # just to unpickle it from its child's reply (fedhisto.warm)
     return {"torch": str(torch.__version__), "python": platform.python_version(), "device": str(device),
-            "cpu": cpu, "gpu": gpu, "threads": torch.get_num_threads(),
+            "cpu": cpu, "cpu_caches": cpu_caches(), "gpu": gpu, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
