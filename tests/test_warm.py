@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedhisto import warm
+from fedhisto.processes import running
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -142,18 +143,9 @@ def test_killing_the_job_kills_its_child(server, tmp_path: Path):
     client.kill()  # as kill -9 of the job, or Snakemake ending it
     client.wait()
     deadline = time.monotonic() + 60  # a hang guard, not a speed check
-    while _alive(child):
+    while running(child):
         assert time.monotonic() < deadline, "the child outlived its job"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "zombie" not in status.read_text()
 
 
 def test_a_warm_training_run_writes_the_files_of_a_fresh_process(server, prepared, tmp_path: Path):

@@ -56,6 +56,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedhisto.processes import running
+
 ENV_SOCKET = "FEDHISTO_WARM_SOCKET"
 ENV_SWITCH = "FEDHISTO_WARM"  # "0": no server, every job in its own process
 ENV_PID = "FEDHISTO_WARM_PID"  # the server process start_server started: a job waits while it is importing
@@ -184,18 +186,8 @@ def _wait_while_starting(path: str, pid: str | None) -> None:
     if not pid or not pid.isdigit():
         return
     deadline = time.monotonic() + START_WAIT_S
-    while not os.path.exists(path) and _running(int(pid)) and time.monotonic() < deadline:
+    while not os.path.exists(path) and running(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a server that died unreaped still answers ``kill(pid, 0)``)."""
-    if not _alive(pid):
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc: alive is all we can tell
 
 
 def _code_digest() -> str:

@@ -25,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 
+from fedhisto.processes import running
+
 TAG_VAR = "FEDHISTO_FLWR_TAG"
 
 
@@ -241,14 +243,6 @@ def wait_port(port: int, timeout: float = 60.0, host: str = "127.0.0.1") -> floa
     raise TimeoutError(f"port {port} not open after {timeout:.0f} s")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _signal(pid: int, sig: int) -> None:
     try:
         if os.getpgid(pid) == pid:
@@ -283,7 +277,7 @@ def tagged_pids(tag: str) -> list[int]:
         if d.isdigit() and int(d) != os.getpid():
             try:
                 with open(f"/proc/{d}/environ", "rb") as fh:
-                    if marker in fh.read() and _alive(int(d)):
+                    if marker in fh.read() and running(int(d)):
                         out.append(int(d))
             except OSError:
                 pass
@@ -321,10 +315,10 @@ class Procs:
             _signal(p.pid, signal.SIGKILL)
             p.wait(5)
         deadline = time.time() + grace
-        while time.time() < deadline and any(_alive(k) for k in kids):
+        while time.time() < deadline and any(running(k) for k in kids):
             time.sleep(0.2)
         for k in kids:
-            if _alive(k):
+            if running(k):
                 _signal(k, signal.SIGKILL)
 
     def stop_all(self) -> list[int]:
