@@ -25,6 +25,7 @@ include: "workflow/rules/bootstrap.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/accounting.smk"
 include: "workflow/rules/experiments.smk"
+include: "workflow/rules/classify.smk"
 
 
 # One warm process per local run imports torch, transformers and peft once for all jobs (fedhisto.warm).

@@ -383,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resamples", type=int, default=None, help="bootstrap resamples (default experiments.resamples)")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_cmd_probe_encoder)
+    from fedhisto.export.commands import use_parsers
+
+    use_parsers(sub)
     _federation_parsers(sub)
     _site_local_parsers(sub)
 

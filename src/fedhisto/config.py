@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from fedhisto import CLASSES
+from fedhisto.classify.settings import ClassifyConfig
 from fedhisto.config_base import IF_CHANGED, ConfigError, Seeds, Strict, unless
 from fedhisto.config_data import (  # noqa: F401 (re-exported: every stage imports its block from here)
     ClassName,
@@ -162,6 +163,7 @@ class Config(Strict):
     bootstrap: BootstrapConfig = BootstrapConfig()
     experiments: ExperimentsConfig = ExperimentsConfig()
     privacy: PrivacyConfig = PrivacyConfig()
+    classify: ClassifyConfig = ClassifyConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -41,6 +41,12 @@ def _load(path: str, max_edge: int) -> np.ndarray:
     return rgb
 
 
+def load_for_eval(path: str | Path, max_edge: int) -> np.ndarray:
+    """One image decoded exactly as the evaluation splits decode it (``fedhisto classify`` uses it so a new
+    folder's pixels match the pipeline's for the same file)."""
+    return _load(str(path), max_edge)
+
+
 def load_partitions(manifest_csv: str | Path, crop_size: int,
                     splits: tuple[str, ...] = ("optimisation", "holdout", "validation", "test", "external"),
                     ) -> dict[str, Split]:

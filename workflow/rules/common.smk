@@ -115,6 +115,7 @@ def all_targets():
         "results/manifest/composition.csv",
         "results/stain/descriptors.json",
         "results/accounting/communication.csv",
+        *[f"results/classify/{name}/predictions.csv" for name in CFG.classify.folders],
     ]
 
 

@@ -1,0 +1,93 @@
+"""A loaded package as a model: the frozen encoder it names, each member's state, and their ensemble.
+
+The model is the pipeline's own ``FedHistoModel`` built from the package's model settings, and the
+probabilities come from ``train.inference.predict`` with the package's evaluation transform, so a
+package classifies an image exactly as the ``predict`` stage scored it.
+
+Encoder: the package's own ``encoder/`` folder when it carries one (an encoder no hub holds); else
+``--encoder-dir`` (a local snapshot, checked against the digest recorded at export when there was
+one) or the hub at the recorded revision. A folder of another encoder is refused, naming both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from fedhisto.export.package import Package, PackageError
+from fedhisto.progress import Progress
+from fedhisto.provenance import digest_path
+from fedhisto.splits import Split
+
+
+def load_package_encoder(pkg: Package, encoder_dir: str | Path | None):
+    from fedhisto.config_model import EncoderConfig
+    from fedhisto.model.encoder import EncoderLoadError, load_encoder, load_encoder_folder
+
+    enc = pkg.meta["encoder"]
+    name = enc["name"]
+    if encoder_dir is not None:
+        recorded = enc.get("folder_digest")
+        if recorded and digest_path(encoder_dir) != recorded:
+            raise PackageError(f"--encoder-dir {encoder_dir}: not the encoder this package was trained on ({name!r}, "
+                               f"folder digest {recorded[:12]}); its files differ")
+        folder = Path(encoder_dir)
+    elif enc.get("included"):
+        folder = pkg.root / enc["included"]
+    else:
+        folder = None
+    try:
+        if folder is not None:
+            encoder = load_encoder_folder(folder, name)
+        else:
+            encoder = load_encoder(EncoderConfig(name=name, repo_id=enc["repo_id"], revision=enc["revision"]))
+    except EncoderLoadError as exc:
+        raise PackageError(f"the package's encoder is {name!r} ({enc['architecture']}); {exc}") from None
+    for p in encoder.module.parameters():
+        p.requires_grad_(False)
+    encoder.module.eval()
+    return encoder
+
+
+def build_package_model(pkg: Package, encoder_dir: str | Path | None = None):
+    from fedhisto.config_model import ModelConfig
+    from fedhisto.model.peft_model import FedHistoModel
+
+    model_cfg = ModelConfig.model_validate(pkg.meta["model"])
+    if model_cfg.encoder.name != pkg.encoder_name:
+        raise PackageError(f"{pkg.root}: model settings name encoder {model_cfg.encoder.name!r}, the package "
+                           f"{pkg.encoder_name!r}")
+    torch.manual_seed(0)  # LoRA initialisation is overwritten by every member's state; fixed anyway
+    return FedHistoModel(load_package_encoder(pkg, encoder_dir), model_cfg, film=pkg.meta["method"]["film"])
+
+
+def eval_settings(pkg: Package) -> SimpleNamespace:
+    """What ``train.inference.predict`` reads of a config: the views and the evaluation batch."""
+    from fedhisto.config_data import ViewsConfig
+
+    return SimpleNamespace(views=ViewsConfig.model_validate(pkg.meta["views"]),
+                           evaluate=SimpleNamespace(eval_batch=pkg.meta["eval_batch"]))
+
+
+def member_probabilities(pkg: Package, images: list[np.ndarray], descriptor: np.ndarray | None,
+                         encoder_dir: str | Path | None = None, threads: int = 1) -> dict[str, np.ndarray]:
+    """Per member, the (N x 3) probabilities, uncalibrated (softmax of the logits)."""
+    from fedhisto.model.build import pick_device
+    from fedhisto.train.inference import predict
+
+    torch.set_num_threads(max(threads, 1))
+    device = pick_device()
+    model = build_package_model(pkg, encoder_dir).to(device)
+    split = Split([str(i) for i in range(len(images))], [0] * len(images), images)
+    desc = None if descriptor is None else torch.tensor(descriptor, dtype=torch.float32)
+    cfg = eval_settings(pkg)
+    out = {}
+    with Progress(len(pkg.members), "classify: members", "model") as bar:
+        for name, state in pkg.members.items():
+            model.load_trainable_state(state)
+            out[name] = predict(model, split, desc, cfg, device).numpy().astype(np.float64)
+            bar.update()
+    return out

@@ -1,0 +1,1 @@
+"""Export a method's ensemble as a portable model package (``fedhisto export``)."""

@@ -1,0 +1,198 @@
+"""The portable model package: its layout, written and read here only.
+
+::
+
+    PKG/
+      package.json              classes, encoder, normalisation, descriptor statistics, temperature,
+                                members (run identities), code version, model settings
+      SHA256SUMS                SHA-256 of every other file (``sha256sum -c`` format), verified on load
+      model_card.md, model_card.json
+      encoder/                  only for an encoder no hub holds (the pipeline-pretrained tiny one)
+      members/seed<S>/lora/adapter_config.json, adapter_model.safetensors
+                                peft's own adapter format: ``PeftModel.from_pretrained(encoder, this)``
+      members/seed<S>/head.safetensors
+                                residual adapter, FiLM and classifier (the rest of the trainable state)
+
+Nothing is a pickle: tensors are safetensors, everything else JSON or text. A package is written into
+a temporary sibling folder and renamed into place, so it is complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedhisto.atomic import write_json, write_text
+from fedhisto.provenance import digest_path, sha256_file
+
+FORMAT = "fedhisto-model-package/1"
+CHECKSUMS = "SHA256SUMS"
+LORA_MARK = ".lora_"
+PEFT_PREFIX = "base_model.model."
+ADAPTER = "default"  # peft's adapter name inside the live model (inject_adapter_in_model)
+#: file kinds a package may hold; a pickle (.pt/.pkl/.bin/.pth) is never one of them
+ALLOWED_SUFFIXES = (".json", ".safetensors", ".md", ".txt", "")
+
+
+class PackageError(RuntimeError):
+    """A package that is incomplete, corrupted, or does not fit what it is loaded with."""
+
+
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(LoRA tensors in peft's saved-adapter names, the rest under the model's own names).
+
+    The live model's LoRA tensors are ``encoder.<module>.lora_A.default.weight`` (LoRA injected into the
+    encoder module with adapter name ``default``); peft saves them as
+    ``base_model.model.<module>.lora_A.weight``, the names ``PeftModel.from_pretrained`` reads."""
+    lora, rest = {}, {}
+    for name, tensor in state.items():
+        if LORA_MARK in name:
+            if not name.startswith("encoder.") or f".{ADAPTER}." not in name:
+                raise PackageError(f"LoRA tensor {name!r} is not under encoder.* with adapter {ADAPTER!r}")
+            peft_name = PEFT_PREFIX + name.removeprefix("encoder.").replace(f".{ADAPTER}.", ".")
+            lora[peft_name] = tensor.detach().contiguous().cpu()
+        else:
+            rest[name] = tensor.detach().contiguous().cpu()
+    return lora, rest
+
+
+def join_state(lora: dict[str, torch.Tensor], rest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`split_state`: the live model's trainable state."""
+    out = dict(rest)
+    for name, tensor in lora.items():
+        if not name.startswith(PEFT_PREFIX):
+            raise PackageError(f"adapter tensor {name!r} is not under {PEFT_PREFIX!r}")
+        module, _, leaf = name.removeprefix(PEFT_PREFIX).rpartition(".")  # leaf: weight
+        out[f"encoder.{module}.{ADAPTER}.{leaf}"] = tensor
+    return out
+
+
+def adapter_config(model_block: dict, target_modules: list[str], base: str) -> dict:
+    """peft's ``adapter_config.json`` for the run's LoRA (the LoraConfig the model was built with)."""
+    from peft import LoraConfig
+
+    cfg = LoraConfig(r=model_block["lora_r"], lora_alpha=model_block["lora_alpha"],
+                     lora_dropout=model_block["lora_dropout"], target_modules=sorted(target_modules), bias="none",
+                     base_model_name_or_path=base)
+    doc = cfg.to_dict()
+    doc["target_modules"] = sorted(doc["target_modules"])  # a set in peft: fixed order, stable checksums
+    return json.loads(json.dumps(doc, default=str))
+
+
+def write_member(folder: Path, state: dict[str, torch.Tensor], lora_config: dict) -> None:
+    from safetensors.torch import save_file
+
+    lora, rest = split_state(state)
+    (folder / "lora").mkdir(parents=True, exist_ok=True)
+    save_file(lora, str(folder / "lora/adapter_model.safetensors"), metadata={"format": "pt"})
+    write_json(folder / "lora/adapter_config.json", lora_config)
+    save_file(rest, str(folder / "head.safetensors"), metadata={"format": "pt"})
+
+
+def read_member(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return join_state(load_file(str(folder / "lora/adapter_model.safetensors")),
+                      load_file(str(folder / "head.safetensors")))
+
+
+def write_checksums(root: Path) -> None:
+    lines = [f"{sha256_file(p)}  {p.relative_to(root).as_posix()}"
+             for p in sorted(q for q in root.rglob("*") if q.is_file() and q.name != CHECKSUMS)]
+    write_text(root / CHECKSUMS, "\n".join(lines) + "\n")
+
+
+def verify_checksums(root: Path) -> None:
+    """Every file listed, present and unchanged; no file unlisted; no pickle."""
+    path = root / CHECKSUMS
+    if not path.exists():
+        raise PackageError(f"{root}: no {CHECKSUMS}; not a model package (or an incomplete one)")
+    listed = {}
+    for line in path.read_text().splitlines():
+        digest, _, rel = line.partition("  ")
+        listed[rel] = digest
+    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != CHECKSUMS}
+    if missing := sorted(set(listed) - present):
+        raise PackageError(f"{root}: file(s) listed in {CHECKSUMS} are missing: {missing[:5]}")
+    if extra := sorted(present - set(listed)):
+        raise PackageError(f"{root}: file(s) not in {CHECKSUMS} (added after export?): {extra[:5]}")
+    for rel, digest in sorted(listed.items()):
+        if sha256_file(root / rel) != digest:
+            raise PackageError(f"{root / rel}: SHA-256 differs from {CHECKSUMS} (corrupted or modified file); "
+                               "export the package again")
+    check_no_pickle(root)
+
+
+def check_no_pickle(root: Path) -> None:
+    bad = [p.relative_to(root).as_posix() for p in root.rglob("*")
+           if p.is_file() and p.suffix.lower() not in ALLOWED_SUFFIXES]
+    if bad:
+        raise PackageError(f"{root}: files of a kind a package never holds (a pickle?): {bad[:5]}")
+
+
+def write_package(out: Path, meta: dict, members: dict[str, dict[str, torch.Tensor]], lora_config: dict,
+                  card: tuple[str, dict], encoder_folder: Path | None, overwrite: bool = False) -> Path:
+    """Write the whole package into a temporary sibling and rename it onto ``out``."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise PackageError(f"{out}: exists and is not empty; choose another --out or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, state in members.items():
+            write_member(tmp / "members" / name, state, lora_config)
+        if encoder_folder is not None:
+            shutil.copytree(encoder_folder, tmp / "encoder")
+            meta = {**meta, "encoder": {**meta["encoder"], "included": "encoder/",
+                                        "folder_digest": digest_path(tmp / "encoder")}}
+        write_json(tmp / "package.json", meta)
+        write_text(tmp / "model_card.md", card[0])
+        write_json(tmp / "model_card.json", card[1])
+        check_no_pickle(tmp)
+        write_checksums(tmp)
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+@dataclass
+class Package:
+    root: Path
+    meta: dict[str, Any]
+    members: dict[str, dict[str, torch.Tensor]]
+
+    @property
+    def encoder_name(self) -> str:
+        return self.meta["encoder"]["name"]
+
+
+def load_package(root: str | Path, expect_encoder: str | None = None) -> Package:
+    """Verify checksums, then read the metadata and every member's state (tensors only)."""
+    root = Path(root)
+    if not (root / "package.json").exists():
+        raise PackageError(f"{root}: no package.json; not a model package (made by `fedhisto export`)")
+    verify_checksums(root)
+    meta = json.loads((root / "package.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise PackageError(f"{root}: package format {meta.get('format')!r}, this fedhisto reads {FORMAT!r}")
+    if expect_encoder is not None and meta["encoder"]["name"] != expect_encoder:
+        raise PackageError(f"{root}: the package was trained on encoder {meta['encoder']['name']!r}, "
+                           f"not {expect_encoder!r}; it cannot be used with {expect_encoder!r}")
+    members = {m["name"]: read_member(root / "members" / m["name"]) for m in meta["members"]}
+    for name, state in members.items():
+        bad = [k for k, t in state.items() if not torch.isfinite(t).all()]
+        if bad:
+            raise PackageError(f"{root}/members/{name}: non-finite tensors {bad[:3]}")
+    return Package(root, meta, members)

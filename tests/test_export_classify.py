@@ -1,0 +1,369 @@
+"""``fedhisto export`` and ``fedhisto classify``: a package of two tiny past_v2 seeds reproduces the
+pipeline's own ensemble, its LoRA loads through peft, and bad input is refused or listed, never half-written."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import TINY, write_image
+from PIL import Image
+
+from fedhisto import CLASSES
+
+SEEDS = [11, 12]
+
+
+def _tiny_two_seeds() -> dict:
+    tiny = copy.deepcopy(TINY)
+    tiny["train"].update(seeds=SEEDS, max_rounds=1)
+    return tiny
+
+
+@pytest.fixture(scope="module")
+def run(prepared, tmp_path_factory) -> dict:
+    """Two one-round past_v2 seeds on the shared tiny cohort, predicted and exported, laid out as a
+    pipeline's results/ folder (the README's commands run in ``work``)."""
+    from fedhisto.config import load_config
+    from fedhisto.export.stage import run_export
+    from fedhisto.predict import run_predict_seeds
+    from fedhisto.train.stage import run_train
+
+    root = tmp_path_factory.mktemp("export")
+    work = root / "work"
+    (work / "config").mkdir(parents=True)
+    tiny = _tiny_two_seeds()
+    (work / "config/config.yaml").write_text(yaml.safe_dump(tiny))
+    cfg = load_config(tiny)
+    results = work / "results"
+    for name in ("stain", "manifest", "cohort"):
+        (results / name).parent.mkdir(parents=True, exist_ok=True)
+        (results / name).symlink_to(prepared["root"] / name)
+    train, preds = results / "train/past_v2", results / "predictions/past_v2"
+    for s in SEEDS:
+        run_train("past_v2", s, prepared["manifest"], prepared["identity"], prepared["descriptors"], cfg,
+                  train / f"seed{s}")
+    run_predict_seeds("past_v2", [(s, train / f"seed{s}", preds / f"seed{s}") for s in SEEDS], prepared["manifest"],
+                      prepared["identity"], prepared["descriptors"], cfg)
+    pkg = root / "pkg"
+    run_export("past_v2", cfg, pkg, results / "train", results / "predictions", prepared["descriptors"],
+               prepared["identity"])
+    with Path(prepared["manifest"]).open() as fh:
+        external = [r for r in csv.DictReader(fh) if r["split"] == "external"]
+    return {"root": root, "work": work, "cfg": cfg, "pkg": pkg, "preds": preds, "train": train,
+            "images": prepared["images"] / "images/external", "external": external}
+
+
+def classify(*args: str) -> int:
+    from fedhisto.cli import main
+
+    return main(["classify", *args])
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def pipeline_ensemble(run: dict) -> dict[str, tuple[int, np.ndarray]]:
+    """The pipeline's own ensemble (metrics stage) keyed by image path relative to the external folder."""
+    from fedhisto.predictions import ensemble
+
+    ids, y, probs = ensemble([run["preds"] / f"seed{s}/external.csv" for s in SEEDS])
+    path_of = {r["sample_id"]: Path(r["path"]).resolve().relative_to(run["images"].resolve()).as_posix()
+               for r in run["external"]}
+    return {path_of[i]: (int(y[k]), probs[k]) for k, i in enumerate(ids)}
+
+
+def test_uncalibrated_centroid_classification_equals_the_pipeline_ensemble(run, tmp_path):
+    out = tmp_path / "preds.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out),
+                    "--no-calibration", "--descriptor", "centroid") == 0
+    rows = read_csv(out)
+    expected = pipeline_ensemble(run)
+    n_files = sum(1 for p in run["images"].rglob("*") if p.is_file())
+    assert len(rows) == n_files == len(expected) == 64  # one row per image; the tiny profile's external cohort
+    assert list(rows[0])[:5] == ["image", "p_ACA", "p_Normal", "p_SCC", "label"]
+    got = np.array([[float(r[f"p_{c}"]) for c in CLASSES] for r in rows])
+    want = np.array([expected[r["image"]][1] for r in rows])
+    # the pipeline's files round to 8 decimals and average after; ours average then round: <= 1e-8 apart
+    assert np.abs(got - want).max() < 1e-6
+    assert [r["label"] for r in rows] == [CLASSES[int(p.argmax())] for p in want]
+    assert {k for k in rows[0] if k.startswith("label_")} == {f"label_seed{s}" for s in SEEDS}
+    assert {r["descriptor"] for r in rows} == {"centroid"} and {r["converted"] for r in rows} == {""}
+    assert read_csv(tmp_path / "preds.exclusions.csv") == []
+    assert (tmp_path / "preds.contact_sheet.png").stat().st_size > 0
+    assert (tmp_path / "preds.csv.prov.json").exists()
+
+
+def test_calibrated_probabilities_use_the_validation_fitted_temperature(run, tmp_path):
+    from fedhisto.calibration import apply_temperature, fit_temperature
+    from fedhisto.predictions import ensemble
+
+    meta = json.loads((run["pkg"] / "package.json").read_text())
+    _, y, p = ensemble([run["train"] / f"seed{s}/validation_predictions.csv" for s in SEEDS])
+    assert meta["temperature"]["value"] == pytest.approx(fit_temperature(p, y), rel=1e-12)
+    assert "global validation set" in meta["temperature"]["fitted_on"] and meta["temperature"]["n"] == len(y)
+    out = tmp_path / "cal.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out)) == 0
+    rows = read_csv(out)
+    expected = pipeline_ensemble(run)
+    raw = np.array([expected[r["image"]][1] for r in rows])
+    got = np.array([[float(r[f"p_{c}"]) for c in CLASSES] for r in rows])
+    assert np.abs(got - apply_temperature(raw, meta["temperature"]["value"])).max() < 1e-6
+    summary = json.loads((tmp_path / "cal.json").read_text())
+    assert summary["descriptor"]["used"] == "centroid"  # the documented default
+    uncertain = [r for r in rows if float(r["confidence"]) < 0.6 or len({r[f"label_seed{s}"] for s in SEEDS}) > 1]
+    assert summary["uncertain"]["count"] == len(uncertain) == sum(r["uncertain"] == "yes" for r in rows)
+
+
+def test_labels_add_metrics_with_bootstrap_intervals(run, tmp_path):
+    from fedhisto.calibration import apply_temperature
+    from fedhisto.evaluation import classification_metrics
+
+    expected = pipeline_ensemble(run)
+    labels = tmp_path / "labels.csv"
+    labels.write_text("image,label\n" + "".join(f"{k},{CLASSES[v[0]]}\n" for k, v in expected.items()))
+    out = tmp_path / "p.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out),
+                    "--labels", str(labels)) == 0
+    m = json.loads((tmp_path / "p.json").read_text())["metrics"]
+    t = json.loads((run["pkg"] / "package.json").read_text())["temperature"]["value"]
+    keys = sorted(expected)
+    want = classification_metrics(apply_temperature(np.array([expected[k][1] for k in keys]), t),
+                                  np.array([expected[k][0] for k in keys]))
+    assert m["labelled"] == 64 and m["unlabelled"] == 0
+    assert m["point"]["macro_f1"] == pytest.approx(want["macro_f1"], abs=1e-12)
+    ci = m["intervals"]["macro_f1"]
+    assert ci["ci_low"] <= m["point"]["macro_f1"] <= ci["ci_high"] and ci["n_resamples"] > 0
+    labels.write_text("image,label\nnot_there.jpg,ACA\n")
+    assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(tmp_path / "q.csv"),
+                    "--labels", str(labels)) == 2
+    assert not (tmp_path / "q.csv").exists()
+
+
+def test_package_holds_no_pickle_and_says_what_it_is(run):
+    from safetensors import safe_open
+
+    pkg = run["pkg"]
+    files = [p for p in pkg.rglob("*") if p.is_file()]
+    assert all(p.suffix in (".json", ".safetensors", ".md", "") for p in files), files
+    for p in files:
+        assert not p.read_bytes().startswith(b"PK\x03\x04")  # torch.save's zip container
+        if p.suffix == ".safetensors":
+            with safe_open(str(p), "pt") as f:
+                assert list(f.keys())
+    meta = json.loads((pkg / "package.json").read_text())
+    assert meta["classes"] == list(CLASSES) and meta["encoder"]["name"] == "tiny"
+    assert meta["encoder"]["included"] == "encoder/"
+    assert [m["seed"] for m in meta["members"]] == SEEDS
+    assert all(len(m["identity"]["dataset_identity"]) == 64 for m in meta["members"])
+    d = meta["descriptor"]
+    assert d["kind"] == "stain" and d["default"] == "centroid" and len(d["centroid"]) == 14
+    assert len(d["standardisation"]["mean"]) == 14 and meta["code"]["source_digest"]
+    card = json.loads((pkg / "model_card.json").read_text())
+    assert set(card["metrics"]) == {"internal (global test)", "external cohort"}
+    ext = card["metrics"]["external cohort"]
+    assert ext["n"] == 64 and ext["intervals"]["macro_f1"]["ci_low"] <= ext["macro_f1"]
+    assert "macro-F1" in (pkg / "model_card.md").read_text()
+    sums = (pkg / "SHA256SUMS").read_text().splitlines()
+    assert len(sums) == len(files) - 1
+
+
+def test_lora_loads_through_peft_on_the_tiny_encoder(run):
+    from peft import PeftModel
+
+    from fedhisto.classify.runner import build_package_model
+    from fedhisto.export.package import load_package
+    from fedhisto.model.encoder import load_encoder_folder, pooled_embedding
+
+    pkg = load_package(run["pkg"])
+    enc = load_encoder_folder(run["pkg"] / "encoder", "tiny")
+    peft_model = PeftModel.from_pretrained(enc.module, run["pkg"] / "members/seed11/lora")
+    lora = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    state = pkg.members["seed11"]
+    ours = {n: t for n, t in state.items() if "lora_" in n}
+    assert len(lora) == len(ours) > 0
+    for n, p in lora.items():  # base_model.model.<module>.lora_A.default.weight <-> encoder.<module>...
+        assert torch.equal(p.detach(), ours["encoder." + n.removeprefix("base_model.model.")])
+    assert any(t.abs().sum() > 0 for n, t in ours.items() if "lora_B" in n)  # trained: LoRA is not the identity
+    model = build_package_model(pkg)
+    model.load_trainable_state(state)
+    model.eval()
+    peft_model.eval()
+    x = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        assert torch.allclose(pooled_embedding(enc.entry, peft_model.get_base_model(), x),
+                              model.encoder_embedding(x), atol=1e-6)
+
+
+def hibou_folder(folder: Path, depth: int = 2) -> Path:
+    """A randomly initialised HIBOU-B-architecture folder (fewer blocks: the architecture, at test cost)."""
+    from fedhisto.model.encoder import random_encoder
+
+    torch.manual_seed(3)
+    random_encoder("hibou-b", depth).save(folder)
+    return folder
+
+
+def test_lora_loads_through_peft_on_a_hibou_b_folder(tmp_path):
+    from peft import PeftModel
+
+    from fedhisto.config_model import ModelConfig
+    from fedhisto.export.package import PEFT_PREFIX, adapter_config, read_member, split_state, write_member
+    from fedhisto.model.encoder import load_encoder_folder, pooled_embedding
+    from fedhisto.model.peft_model import FedHistoModel
+
+    folder = hibou_folder(tmp_path / "hibou")
+    mcfg = ModelConfig.model_validate({"encoder": {"name": "hibou-b", "local_dir": str(folder)},
+                                       "adapter_hidden": 16, "film_hidden": 16})
+    model = FedHistoModel(load_encoder_folder(folder, "hibou-b", depth=2), mcfg, film=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.02)
+    state = model.trainable_state()
+    lora, _ = split_state(state)
+    targets = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for k in lora})
+    assert len(targets) == 2 * 4  # query, key, value, attention output in each of the two blocks
+    write_member(tmp_path / "m", state, adapter_config(mcfg.model_dump(mode="json"), targets, "histai/hibou-b"))
+    assert all(torch.equal(state[k], v) for k, v in read_member(tmp_path / "m").items())
+    enc = load_encoder_folder(folder, "hibou-b", depth=2)
+    peft_model = PeftModel.from_pretrained(enc.module, tmp_path / "m/lora")
+    loaded = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert len(loaded) == len(lora)
+    for n, p in loaded.items():
+        assert torch.equal(p.detach(), state["encoder." + n.removeprefix("base_model.model.")])
+    model.eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        assert torch.allclose(pooled_embedding(enc.entry, peft_model.get_base_model(), x),
+                              model.encoder_embedding(x), atol=1e-5)
+
+
+def test_a_package_is_refused_with_another_encoder_or_a_corrupted_tensor(run, tmp_path, capsys):
+    from fedhisto.export.package import PackageError, load_package
+
+    with pytest.raises(PackageError, match="trained on encoder 'tiny', not 'hibou-b'"):
+        load_package(run["pkg"], expect_encoder="hibou-b")
+    folder = hibou_folder(tmp_path / "hibou")
+    out = tmp_path / "x.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out),
+                    "--encoder-dir", str(folder)) == 2
+    assert "trained on ('tiny'" in capsys.readouterr().err
+    bad = tmp_path / "pkg"
+    shutil.copytree(run["pkg"], bad)
+    head = bad / "members/seed12/head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-3] ^= 0xFF
+    head.write_bytes(bytes(data))
+    assert classify("--model", str(bad), "--images", str(run["images"]), "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "members/seed12/head.safetensors: SHA-256 differs" in err
+    assert not out.exists() and not list(tmp_path.glob("x.*"))
+
+
+def huge_png(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header declares width x height (its pixel data is a stub: it is refused before decoding)."""
+    write_image(path, size=4)
+    data = bytearray(path.read_bytes())
+    ihdr = struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_bad_images_are_converted_or_listed_and_an_empty_folder_is_an_error(run, tmp_path, capsys):
+    src = tmp_path / "site"
+    rgb = np.asarray(Image.open(next(run["images"].rglob("*.jpg"))).convert("RGB"))
+    (src / "sub").mkdir(parents=True)
+    Image.fromarray(rgb).convert("L").save(src / "grey.png")
+    Image.fromarray(rgb).convert("RGBA").save(src / "rgba.png")
+    Image.fromarray(rgb).convert("CMYK").save(src / "cmyk.jpg")
+    Image.fromarray(rgb[..., 0].astype(np.uint16) * 257).save(src / "sixteen.png")
+    Image.fromarray(rgb).save(src / "sub/plain.tif")
+    (src / "notes.txt").write_text("not an image")
+    (src / ".DS_Store").write_bytes(b"\0\1")
+    (src / "broken.png").write_bytes((src / "grey.png").read_bytes()[:60])
+    huge_png(src / "huge.png", 60000, 50000)
+    out = tmp_path / "o.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(src), "--out", str(out)) == 0
+    rows = {r["image"]: r for r in read_csv(out)}
+    assert sorted(rows) == ["cmyk.jpg", "grey.png", "rgba.png", "sixteen.png", "sub/plain.tif"]
+    assert rows["grey.png"]["converted"] == "greyscale -> RGB"
+    assert rows["rgba.png"]["converted"] == "RGBA composited on white -> RGB"
+    assert rows["cmyk.jpg"]["converted"] == "CMYK -> RGB"
+    assert "16-bit" in rows["sixteen.png"]["converted"] and rows["sub/plain.tif"]["converted"] == ""
+    excl = {r["image"]: r["reason"] for r in read_csv(tmp_path / "o.exclusions.csv")}
+    assert sorted(excl) == [".DS_Store", "broken.png", "huge.png", "notes.txt"]
+    assert "not an image" in excl["notes.txt"] and "hidden" in excl[".DS_Store"]
+    assert "60000 x 50000 pixels (3000 MP)" in excl["huge.png"] and "unreadable" in excl["broken.png"]
+    summary = json.loads((tmp_path / "o.json").read_text())
+    assert summary["classified"] == 5 and summary["excluded"] == 4 and summary["converted"] == 4
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert classify("--model", str(run["pkg"]), "--images", str(empty), "--out", str(tmp_path / "e.csv")) == 2
+    assert "the folder is empty" in capsys.readouterr().err
+    (empty / "readme.txt").write_text("x")
+    assert classify("--model", str(run["pkg"]), "--images", str(empty), "--out", str(tmp_path / "e.csv")) == 2
+    assert "no classifiable image" in capsys.readouterr().err
+    assert not list(tmp_path.glob("e.*"))
+
+
+def test_site_descriptor_is_the_stain_estimator_standardised_and_falls_back_on_blank_tiles(run, tmp_path):
+    from fedhisto.config_data import StainConfig
+    from fedhisto.stain import client_descriptor
+
+    meta = json.loads((run["pkg"] / "package.json").read_text())
+    out = tmp_path / "s.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out),
+                    "--descriptor", "site") == 0
+    summary = json.loads((tmp_path / "s.json").read_text())
+    paths = sorted(p for p in run["images"].rglob("*") if p.is_file())
+    est = client_descriptor([str(p) for p in paths], StainConfig.model_validate(meta["descriptor"]["estimator"]))
+    std = meta["descriptor"]["standardisation"]
+    want = (np.asarray(est["raw"]) - std["mean"]) / np.asarray(std["sd"])
+    assert summary["descriptor"]["used"] == "site"
+    assert np.allclose(summary["descriptor"]["value"], want, atol=1e-5)  # float32 in the summary
+    assert {r["descriptor"] for r in read_csv(out)} == {"site"}
+
+    blank = tmp_path / "blank"
+    for k in range(3):
+        blank.mkdir(exist_ok=True)
+        Image.new("RGB", (64, 64), (250, 250, 250)).save(blank / f"b{k}.png")
+    assert classify("--model", str(run["pkg"]), "--images", str(blank), "--out", str(tmp_path / "b.csv"),
+                    "--descriptor", "site") == 0
+    summary = json.loads((tmp_path / "b.json").read_text())
+    assert "fallback" in summary["descriptor"] and summary["descriptor"]["tissue_pixels"] == 0
+    assert summary["descriptor"]["value"] == pytest.approx(meta["descriptor"]["centroid"])
+    assert {r["descriptor"] for r in read_csv(tmp_path / "b.csv")} == {"centroid (site fallback: too little tissue)"}
+
+
+def readme_use_commands(repo: Path) -> list[str]:
+    text = (repo / "README.md").read_text()
+    section = text.split("## Use the model", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.startswith("fedhisto ")]
+
+
+def test_readme_use_the_model_commands_run(run, repo):
+    commands = readme_use_commands(repo)
+    assert [c.split()[1] for c in commands] == ["export", "classify"]
+    exe = shutil.which("fedhisto")
+    for c in commands:
+        proc = subprocess.run([exe, *c.split()[1:]], cwd=run["work"], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(run["work"] / "preds.csv")
+    assert len(rows) == 64 and list(rows[0])[:5] == ["image", "p_ACA", "p_Normal", "p_SCC", "label"]

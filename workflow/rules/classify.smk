@@ -1,0 +1,62 @@
+# Using the model: export a method's finalised seeds as a portable package (results/export/{method}),
+# then classify each folder listed under classify.folders (results/classify/{name}/). No training stage's
+# identity reads the classify block, so listing a folder plans only these two jobs after `all`.
+
+
+def classify_images(wildcards):
+    return CFG.classify.folders[wildcards.name]
+
+
+def classify_cohort_input(wildcards):
+    """A folder of the pipeline's own cohort is made by the cohort stage; a site's folder is the user's."""
+    folder = classify_images(wildcards)
+    return cohort_outputs()[:1] if folder.startswith("results/cohort/") else []
+
+
+rule export_model:
+    input:
+        status=lambda wildcards: [f"results/train/{wildcards.method}/seed{s}/status.json"
+                                  for s in method_seeds(wildcards.method)],
+        predictions=lambda wildcards: [f"results/predictions/{wildcards.method}/seed{s}/{c}.csv"
+                                       for s in method_seeds(wildcards.method) for c in ("test", "external")],
+        identity="results/manifest/manifest.json",
+        descriptors="results/stain/descriptors.json",
+        encoder=encoder_input,
+    output:
+        package=directory("results/export/{method}"),
+    log:
+        "logs/export/{method}.log",
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=10,
+        gpu=0,
+    conda:
+        ENV
+    script:
+        "../../scripts/classify.py"
+
+
+rule classify_folder:
+    input:
+        package=f"results/export/{CFG.classify.method}",
+        cohort=classify_cohort_input,
+    output:
+        predictions="results/classify/{name}/predictions.csv",
+        summary="results/classify/{name}/predictions.json",
+        exclusions="results/classify/{name}/predictions.exclusions.csv",
+        sheet="results/classify/{name}/contact_sheet.png",
+    log:
+        "logs/classify/{name}.log",
+    params:
+        images=classify_images,
+        block=CFG.classify.model_dump(mode="json", exclude={"folders"}),
+    threads: 1
+    resources:
+        mem_mb=predict_mem_mb,
+        runtime=predict_runtime,
+        gpu=train_gpu,
+    conda:
+        ENV
+    script:
+        "../../scripts/classify.py"
