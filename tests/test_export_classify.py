@@ -21,12 +21,12 @@ from PIL import Image
 
 from fedhisto import CLASSES
 
-SEEDS = [11, 12]
+SEEDS = [11, 33]
 
 
 def _tiny_two_seeds() -> dict:
     tiny = copy.deepcopy(TINY)
-    tiny["train"].update(seeds=SEEDS, max_rounds=1)
+    tiny["train"].update(seeds=SEEDS, ablation_seeds=SEEDS, max_rounds=1)
     return tiny
 
 
@@ -92,7 +92,7 @@ def test_uncalibrated_centroid_classification_equals_the_pipeline_ensemble(run, 
     rows = read_csv(out)
     expected = pipeline_ensemble(run)
     n_files = sum(1 for p in run["images"].rglob("*") if p.is_file())
-    assert len(rows) == n_files == len(expected) == 64  # one row per image; the tiny profile's external cohort
+    assert len(rows) == n_files == len(expected) == len(run["external"]) == 32  # one row per image (tiny profile)
     assert list(rows[0])[:5] == ["image", "p_ACA", "p_Normal", "p_SCC", "label"]
     got = np.array([[float(r[f"p_{c}"]) for c in CLASSES] for r in rows])
     want = np.array([expected[r["image"]][1] for r in rows])
@@ -142,7 +142,7 @@ def test_labels_add_metrics_with_bootstrap_intervals(run, tmp_path):
     keys = sorted(expected)
     want = classification_metrics(apply_temperature(np.array([expected[k][1] for k in keys]), t),
                                   np.array([expected[k][0] for k in keys]))
-    assert m["labelled"] == 64 and m["unlabelled"] == 0
+    assert m["labelled"] == 32 and m["unlabelled"] == 0
     assert m["point"]["macro_f1"] == pytest.approx(want["macro_f1"], abs=1e-12)
     ci = m["intervals"]["macro_f1"]
     assert ci["ci_low"] <= m["point"]["macro_f1"] <= ci["ci_high"] and ci["n_resamples"] > 0
@@ -174,7 +174,7 @@ def test_package_holds_no_pickle_and_says_what_it_is(run):
     card = json.loads((pkg / "model_card.json").read_text())
     assert set(card["metrics"]) == {"internal (global test)", "external cohort"}
     ext = card["metrics"]["external cohort"]
-    assert ext["n"] == 64 and ext["intervals"]["macro_f1"]["ci_low"] <= ext["macro_f1"]
+    assert ext["n"] == 32 and ext["intervals"]["macro_f1"]["ci_low"] <= ext["macro_f1"]
     assert "macro-F1" in (pkg / "model_card.md").read_text()
     sums = (pkg / "SHA256SUMS").read_text().splitlines()
     assert len(sums) == len(files) - 1
@@ -263,13 +263,13 @@ def test_a_package_is_refused_with_another_encoder_or_a_corrupted_tensor(run, tm
     assert "trained on ('tiny'" in capsys.readouterr().err
     bad = tmp_path / "pkg"
     shutil.copytree(run["pkg"], bad)
-    head = bad / "members/seed12/head.safetensors"
+    head = bad / "members/seed33/head.safetensors"
     data = bytearray(head.read_bytes())
     data[-3] ^= 0xFF
     head.write_bytes(bytes(data))
     assert classify("--model", str(bad), "--images", str(run["images"]), "--out", str(out)) == 2
     err = capsys.readouterr().err
-    assert "members/seed12/head.safetensors: SHA-256 differs" in err
+    assert "members/seed33/head.safetensors: SHA-256 differs" in err
     assert not out.exists() and not list(tmp_path.glob("x.*"))
 
 
@@ -366,4 +366,38 @@ def test_readme_use_the_model_commands_run(run, repo):
         proc = subprocess.run([exe, *c.split()[1:]], cwd=run["work"], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_csv(run["work"] / "preds.csv")
-    assert len(rows) == 64 and list(rows[0])[:5] == ["image", "p_ACA", "p_Normal", "p_SCC", "label"]
+    assert len(rows) == 32 and list(rows[0])[:5] == ["image", "p_ACA", "p_Normal", "p_SCC", "label"]
+
+
+def planned_jobs(snakemake_bin: str, repo: Path, workdir: Path, *extra: str) -> dict[str, int]:
+    """Rule -> job count of a dry run of ``all`` (Snakemake's job-stats table)."""
+    proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(workdir), "-n", "--quiet",
+                           "rules", "all", *extra], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = {}
+    for line in (proc.stdout + proc.stderr).splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
+            counts[parts[0]] = int(parts[1])
+    assert counts, proc.stdout[-2000:]
+    return counts
+
+
+def test_a_classify_folder_adds_only_export_and_classify_jobs(tmp_path, repo, snakemake_bin):
+    from conftest import write_tiny_config
+
+    from fedhisto.config import load_config_file
+    from fedhisto.stage_config import stage_block
+
+    path = write_tiny_config(tmp_path)
+    before = planned_jobs(snakemake_bin, repo, tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["classify"] = {"folders": {"ext": "results/cohort/images/external", "site": str(tmp_path / "site")}}
+    with_folders = tmp_path / "with_classify.yaml"
+    with_folders.write_text(yaml.safe_dump(cfg))
+    after = planned_jobs(snakemake_bin, repo, tmp_path, "--configfile", str(with_folders))
+    added = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+    assert {k: v for k, v in added.items() if v} == {"export_model": 1, "classify_folder": 2}
+    a, b = load_config_file(path), load_config_file(with_folders)
+    for method, seed in a.train_runs():  # no training identity reads the block
+        assert stage_block(a, "train", method=method, seed=seed) == stage_block(b, "train", method=method, seed=seed)
