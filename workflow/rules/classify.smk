@@ -3,16 +3,6 @@
 # identity reads the classify block, so listing a folder plans only these two jobs after `all`.
 
 
-def classify_images(wildcards):
-    return CFG.classify.folders[wildcards.name]
-
-
-def classify_cohort_input(wildcards):
-    """A folder of the pipeline's own cohort is made by the cohort stage; a site's folder is the user's."""
-    folder = classify_images(wildcards)
-    return cohort_outputs()[:1] if folder.startswith("results/cohort/") else []
-
-
 rule export_model:
     input:
         status=lambda wildcards: [f"results/train/{wildcards.method}/seed{s}/status.json"
@@ -42,10 +32,14 @@ rule classify_folder:
         package=f"results/export/{CFG.classify.method}",
         cohort=classify_cohort_input,
     output:
-        predictions="results/classify/{name}/predictions.csv",
+        predictions=report("results/classify/{name}/predictions.csv", caption="../report/classify_table.rst",
+                           category="Classify", subcategory="{name}"),
         summary="results/classify/{name}/predictions.json",
         exclusions="results/classify/{name}/predictions.exclusions.csv",
-        sheet="results/classify/{name}/contact_sheet.png",
+        sheet=report("results/classify/{name}/contact_sheet.png", caption="../report/classify_sheet.rst",
+                     category="Classify", subcategory="{name}"),
+    wildcard_constraints:
+        name="[^/]+",
     log:
         "logs/classify/{name}.log",
     params:

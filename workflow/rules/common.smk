@@ -161,3 +161,14 @@ def encoder_gpu(encoder, wildcards):
 def predict_method_runtime(wildcards):
     """One job predicts every seed of a method."""
     return predict_runtime(wildcards) * len(method_seeds(wildcards.method))
+
+
+# ---------------------------------------------------------------- classify (workflow/rules/classify.smk)
+def classify_images(wildcards):
+    return CFG.classify.folders[wildcards.name]
+
+
+def classify_cohort_input(wildcards):
+    """A folder of the pipeline's own cohort is made by the cohort stage; a site's folder is the user's."""
+    folder = classify_images(wildcards)
+    return cohort_outputs()[:1] if folder.startswith("results/cohort/") else []
