@@ -61,6 +61,34 @@ def test_second_run_does_nothing(workdir: Path, repo: Path, snakemake_bin: str):
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
+def test_a_classify_folder_after_all_runs_only_export_and_classify(workdir: Path, repo: Path, snakemake_bin: str):
+    """Listing a folder under classify: after `all` plans the export and classify jobs and nothing else (no
+    training stage reads the block), and the target writes one row per image and a contact sheet."""
+    import csv
+
+    cfg = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    cfg["classify"] = {"folders": {"external": "results/cohort/images/external"}}
+    changed = workdir / "classify.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    proc = snakemake(snakemake_bin, repo, workdir, "-n", "--quiet", "rules", "all", "--configfile", str(changed))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    planned = {p[0]: int(p[1]) for p in (line.split() for line in (proc.stdout + proc.stderr).splitlines())
+               if len(p) == 2 and p[1].isdigit() and p[0] not in ("total", "job")}
+    assert planned == {"export_model": 1, "classify_folder": 1, "all": 1}, planned
+    target = "results/classify/external/predictions.csv"
+    proc = snakemake(snakemake_bin, repo, workdir, "--cores", "2", target, "--configfile", str(changed))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with (workdir / target).open() as fh:
+        rows = list(csv.DictReader(fh))
+    images = sorted(p.relative_to(workdir / "results/cohort/images/external").as_posix()
+                    for p in (workdir / "results/cohort/images/external").rglob("*") if p.is_file())
+    assert sorted(r["image"] for r in rows) == images and len(rows) == 64
+    assert list(rows[0])[:5] == ["image", "p_ACA", "p_Normal", "p_SCC", "label"]
+    assert (workdir / "results/classify/external/contact_sheet.png").stat().st_size > 0
+    assert "classify: wrote" in (workdir / "logs/classify/external.log").read_text()
+    assert (workdir / "results/export/past_v2/SHA256SUMS").exists()
+
+
 def test_changed_parameter_reruns_its_stage(workdir: Path, repo: Path, snakemake_bin: str):
     cfg = yaml.safe_load((workdir / "config/config.yaml").read_text())
     cfg["cohort"]["synthetic"]["seed"] = 7

@@ -9,8 +9,8 @@ run summary (descriptor values, temperature, threshold, counts, metrics with ``-
 is written only after every image was scored, each atomically: nothing is half-written.
 
 Uncertain: the members disagree on the label, or the top probability is below ``--uncertain-below``
-(default 0.6: a convention for triage, not a validated operating point; on three classes it flags
-images whose second class holds at least 0.4 - x for some x, i.e. near-ties of two classes).
+(default 0.6: a triage convention, not a validated operating point; with three classes a top probability
+under 0.6 means a second class holds a sizeable share, a near-tie a person should look at).
 
 Descriptor (FiLM methods): ``centroid`` (default) conditions on the training clients' centroid, the
 study's choice for unseen data and the setting under which the package's external metrics were
