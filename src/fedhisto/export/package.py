@@ -39,6 +39,8 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # peft's adapter name inside the live model (inject_adapter_in_model)
 #: file kinds a package may hold; a pickle (.pt/.pkl/.bin/.pth) is never one of them
 ALLOWED_SUFFIXES = (".json", ".safetensors", ".md", ".txt", "")
+#: files a tool adds beside the package that are not part of it: Snakemake's marker of a directory output
+FOREIGN = (".snakemake_timestamp",)
 
 
 class PackageError(RuntimeError):
@@ -118,7 +120,8 @@ def verify_checksums(root: Path) -> None:
     for line in path.read_text().splitlines():
         digest, _, rel = line.partition("  ")
         listed[rel] = digest
-    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != CHECKSUMS}
+    present = {p.relative_to(root).as_posix() for p in root.rglob("*")
+               if p.is_file() and p.name != CHECKSUMS and p.relative_to(root).as_posix() not in FOREIGN}
     if missing := sorted(set(listed) - present):
         raise PackageError(f"{root}: file(s) listed in {CHECKSUMS} are missing: {missing[:5]}")
     if extra := sorted(present - set(listed)):
