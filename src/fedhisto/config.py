@@ -193,10 +193,6 @@ class Config(Strict):
             raise ValueError(f"classes must be exactly {list(CLASSES)} in that order (got {list(self.classes)})")
         if self.cohort.mode == "real" and self.manifest.targets is None:
             raise ValueError("manifest.targets is required when cohort.mode is 'real'")
-        trained = [*self.train.methods, *self.train.ablations]
-        if self.classify.folders and self.classify.method not in trained:
-            raise ValueError(f"classify.method {self.classify.method!r} is not trained here (train.methods / "
-                             f"train.ablations: {trained}); classify exports one of those")
         if self.cohort.mode == "synthetic" and self.manifest.targets is not None \
                 and self.manifest.targets != self.profile_targets():
             raise ValueError(f"manifest.targets disagree with synthetic profile '{self.cohort.synthetic.profile}'; "

@@ -2,6 +2,11 @@
 # then classify each folder listed under classify.folders (results/classify/{name}/). No training stage's
 # identity reads the classify block, so listing a folder plans only these two jobs after `all`.
 
+# checked here, not in the config model: experiments derive configs that train other method lists
+if CFG.classify.folders and CFG.classify.method not in [m for m, _ in train_runs()]:
+    raise ValueError(f"classify.method {CFG.classify.method!r} is not trained by this config "
+                     f"(train.methods / train.ablations); classify exports one of those")
+
 
 rule export_model:
     input:
