@@ -401,3 +401,8 @@ def test_a_classify_folder_adds_only_export_and_classify_jobs(tmp_path, repo, sn
     a, b = load_config_file(path), load_config_file(with_folders)
     for method, seed in a.train_runs():  # no training identity reads the block
         assert stage_block(a, "train", method=method, seed=seed) == stage_block(b, "train", method=method, seed=seed)
+    cfg["classify"]["method"] = "scaffold"  # not trained by the tiny config
+    with_folders.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(tmp_path), "-n", "all",
+                           "--configfile", str(with_folders)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "classify.method 'scaffold' is not trained by this config" in proc.stdout + proc.stderr
