@@ -406,3 +406,26 @@ def test_a_classify_folder_adds_only_export_and_classify_jobs(tmp_path, repo, sn
     proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(tmp_path), "-n", "all",
                            "--configfile", str(with_folders)], capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "classify.method 'scaffold' is not trained by this config" in proc.stdout + proc.stderr
+
+
+def test_export_is_complete_or_absent(run, tmp_path, monkeypatch):
+    from fedhisto.export import package
+    from fedhisto.export.stage import run_export
+
+    results = run["work"] / "results"
+    args = ("past_v2", run["cfg"], tmp_path / "pkg", results / "train", results / "predictions",
+            results / "stain/descriptors.json", results / "manifest/manifest.json")
+    with pytest.raises(package.PackageError, match="exists and is not empty"):
+        run_export(*args[:2], run["pkg"], *args[3:])
+    calls = []
+
+    def fail_on_second(folder, state, lora_config, real=package.write_member):
+        calls.append(folder)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        real(folder, state, lora_config)
+
+    monkeypatch.setattr(package, "write_member", fail_on_second)
+    with pytest.raises(OSError, match="disk full"):
+        run_export(*args)
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []  # no package, no temporary folder left
