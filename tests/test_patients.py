@@ -112,16 +112,17 @@ def test_non_image_files_are_listed_and_counted_never_dropped(tmp_path: Path, ca
     (lc / "lung_aca" / "Thumbs.db").write_bytes(b"\0")
     (lc / "README.txt").write_text("LC25000")
     (lc / "lung_scc" / "._lung_scc1.jpeg").write_bytes(b"\0\5\26\7")  # macOS AppleDouble: image name, no pixels
+    write_image(lc / ".ipynb_checkpoints" / "lung_aca1.jpeg", fmt="JPEG")  # a hidden folder beside the classes
     cohort = CohortConfig(mode="real", real={"sources": [{"kind": "lc25000", "root": str(lc)}]})
     with caplog.at_level("WARNING"):
         summary = run_cohort(cohort, tmp_path / "out")
     with (tmp_path / "out" / "excluded.csv").open() as fh:
         listed = {Path(r["path"]).name: r["reason"] for r in csv.DictReader(fh)}
-    assert set(listed) == {".DS_Store", "Thumbs.db", "README.txt", "._lung_scc1.jpeg"}
+    assert set(listed) == {".DS_Store", "Thumbs.db", "README.txt", "._lung_scc1.jpeg", "lung_aca1.jpeg"}
     assert listed["Thumbs.db"].startswith("not an image file (extension '.db'")
     assert listed[".DS_Store"].startswith("hidden file") and listed["README.txt"] == "not in a class folder"
-    assert summary["excluded"] == 4 and summary["images"] == 3
-    assert "4 file(s) below the sources are not read" in caplog.text
+    assert summary["excluded"] == 5 and summary["images"] == 3
+    assert "5 file(s) below the sources are not read" in caplog.text
     # an image extension that does not decode still stops the stage by name
     (lc / "lung_n" / "broken.jpeg").write_bytes(b"not a jpeg")
     with pytest.raises(SourceError, match=r"unreadable image: .*broken\.jpeg"):

@@ -118,9 +118,13 @@ def read_lc25000(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]]:
         files, skipped = _image_files(root / folder, f"LC25000 {folder}")
         rows += [_row(spec, root, p, label) for p in files]
         excluded += skipped
-    # files beside the class folders (a README, a licence) are listed too, never silently passed over
+    # files beside the class folders (a README, a licence) and in hidden folders are listed too, never
+    # silently passed over
     excluded += [Exclusion(str(p.resolve()), "not in a class folder") for p in sorted(root.iterdir())
                  if p.is_file()]
+    excluded += [Exclusion(str(f.resolve()), "hidden file or folder (name starts with '.')")
+                 for d in sorted(root.iterdir()) if d.is_dir() and d.name.startswith(".")
+                 for f in sorted(d.rglob("*")) if not f.is_dir()]
     return rows, excluded
 
 
