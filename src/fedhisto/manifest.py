@@ -295,8 +295,10 @@ def boundary_audit(rows: list[dict], edges_csv: str | Path) -> dict:
     digests = {r["relpath"]: r["sha256"] for r in rows}
     where = {r["relpath"]: boundary(r) for r in rows if r["split"] != "unused"}
     leaks = []
+    pixel_edges = 0
     with Path(edges_csv).open() as fh:
         for e in csv.DictReader(fh):
+            pixel_edges += e["decision"] == "confirmed"
             if e["decision"] == "confirmed" and e["a"] in where and e["b"] in where and where[e["a"]] != where[e["b"]]:
                 leaks.append({"a": e["a"], "b": e["b"], "stage": e["stage"], "boundaries": [where[e["a"]], where[e["b"]]]})
     by_digest: dict[str, set] = defaultdict(set)
@@ -304,8 +306,10 @@ def boundary_audit(rows: list[dict], edges_csv: str | Path) -> dict:
         if rel in digests:
             by_digest[digests[rel]].add(b)
     exact = [d for d, bs in by_digest.items() if len(bs) > 1]
+    # which edges came from pixels (clearance's edges.csv) and which from metadata (metadata_edges.csv)
     return {"cross_boundary_family_edges": leaks, "cross_boundary_exact_matches": exact,
-            **patient_audit(rows, where, metadata_edges(rows)), "boundaries": sorted(set(where.values()))}
+            "confirmed_pixel_edges": pixel_edges, **patient_audit(rows, where, metadata_edges(rows)),
+            "boundaries": sorted(set(where.values()))}
 
 
 def composition(rows: list[dict]) -> list[dict]:
