@@ -13,7 +13,8 @@ if "snakemake" in globals():
     smk = globals()["snakemake"]
     method_seeds, reference_seeds = smk.params.seeds
     run_bootstrap(smk.wildcards.comparison, list(smk.input.method), list(smk.input.reference),
-                  (list(method_seeds), list(reference_seeds)), from_snakemake(smk).bootstrap, smk.output.json)
+                  (list(method_seeds), list(reference_seeds)), from_snakemake(smk).bootstrap, smk.output.json,
+                  smk.input.manifest)
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="config/config.yaml")
@@ -24,4 +25,4 @@ elif __name__ == "__main__":
     files = comparison_files(cfg, args.comparison)
     run_bootstrap(args.comparison, files["method"][1], files["reference"][1],
                   (files["method"][0], files["reference"][0]), cfg.bootstrap,
-                  f"results/bootstrap/{args.comparison}.json")
+                  f"results/bootstrap/{args.comparison}.json", "results/manifest/manifest.csv")

@@ -41,7 +41,6 @@ def test_lc25000_reads_three_class_folders(tmp_path: Path):
         (lambda r: __import__("shutil").rmtree(r / "lung_scc"), "class SCC: folder not found"),
         (lambda r: (r / "colon_aca").mkdir(), "unknown class folder(s) ['colon_aca']"),
         (lambda r: (r / "lung_n" / "lungn9.jpeg").write_bytes(b""), "unreadable image"),
-        (lambda r: (r / "lung_n" / "notes.txt").write_text("x"), "not an image file"),
     ],
 )
 def test_lc25000_errors_name_the_problem(tmp_path: Path, mutate, message):
@@ -57,11 +56,14 @@ def test_missing_root_is_named(tmp_path: Path):
         read_lc25000(SourceSpec(kind="lc25000", root=str(tmp_path / "nowhere")))
 
 
-def test_hidden_files_are_not_images(tmp_path: Path):
+def test_hidden_and_non_image_files_are_not_images_and_are_listed(tmp_path: Path):
     root = lc25000_fixture(tmp_path / "lc")
     (root / "lung_n" / ".DS_Store").write_bytes(b"\0")
-    rows, _ = read_lc25000(SourceSpec(kind="lc25000", root=str(root)))
+    (root / "lung_n" / "notes.txt").write_text("x")
+    rows, excluded = read_lc25000(SourceSpec(kind="lc25000", root=str(root)))
     assert len(rows) == 6
+    assert [(Path(e.path).name, e.reason.split(" (")[0]) for e in excluded] == [
+        (".DS_Store", "hidden file or folder"), ("notes.txt", "not an image file")]
 
 
 @pytest.mark.parametrize(

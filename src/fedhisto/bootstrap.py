@@ -9,6 +9,14 @@ and P(delta > 0). Metrics: macro-F1 (:func:`fedhisto.evaluation.macro_f1_from_co
 package's one definition), balanced accuracy, accuracy, per-class recall.
 Resampling images cannot capture patient-level dependence; the p-values are descriptive.
 
+Where the manifest names patients (or slides) for the external cohort, the stage also runs a
+cluster bootstrap beside the image-level one: B resamples of *patients* with replacement, each
+drawn patient bringing all its images (an image without a patient is its own cluster), again the
+same resamples for both methods, from its own generator seeded with the same seed, so the
+image-level figures are exactly those of a run without patients. The JSON keeps the image-level
+results under ``metrics`` (``interval_unit: image``) and adds ``patient_level`` (null when no
+patient is known); the report's Tables 6 and 7 print one row per metric and unit.
+
 The same resampling (:func:`resampled_metrics`) serves :func:`bootstrap_interval` (one
 prediction set's percentile CI, used by the report's figures) and :func:`independent_difference`
 (two different image sets, each resampled on its own).
@@ -81,17 +89,32 @@ def resample_weights(rng: np.random.Generator, n: int, b: int) -> np.ndarray:
     return weights
 
 
+def cluster_weights(rng: np.random.Generator, clusters: np.ndarray, b: int) -> np.ndarray:
+    """B x n multiplicities of B cluster resamples: G clusters drawn with replacement, each image
+    weighted by how often its cluster was drawn (``clusters``: the cluster index 0..G-1 of each image)."""
+    g = int(clusters.max()) + 1
+    counts = resample_weights(rng, g, b)  # B x G: how often each cluster was drawn
+    return counts[:, clusters]
+
+
+def cluster_index(keys: list[str]) -> np.ndarray:
+    """Cluster index per image from its patient key; an image without one is its own cluster."""
+    index: dict[str, int] = {}
+    return np.array([index.setdefault(k if k else f"\0image{n}", len(index)) for n, k in enumerate(keys)], dtype=int)
+
+
 def resampled_metrics(y: np.ndarray, pred_sets: list[list[np.ndarray]], resamples: int, rng: np.random.Generator,
-                      chunk: int = 2000) -> list[dict[str, np.ndarray]]:
+                      chunk: int = 2000, clusters: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
     """Metrics of every prediction set on the *same* ``resamples`` resamples of the images of ``y``
     (one metric array of length ``resamples`` per set and metric). Drawn in chunks to bound memory;
-    the draw order is fixed, so a seed gives the same replicates whatever the caller."""
+    the draw order is fixed, so a seed gives the same replicates whatever the caller. ``clusters``:
+    resample these clusters (patients) instead of images (:func:`cluster_weights`)."""
     n = len(y)
     parts: list[dict[str, list]] = [{} for _ in pred_sets]
     done = 0
     while done < resamples:
         b = min(chunk, resamples - done)
-        weights = resample_weights(rng, n, b)
+        weights = resample_weights(rng, n, b) if clusters is None else cluster_weights(rng, clusters, b)
         for out, preds in zip(parts, pred_sets, strict=True):
             for k, v in member_mean_metrics(y, preds, weights).items():
                 out.setdefault(k, []).append(v)
@@ -111,14 +134,16 @@ def difference_test(d: np.ndarray, confidence: float) -> dict:
 
 
 def paired_bootstrap(y: np.ndarray, pred_a: Preds, pred_b: Preds,
-                     resamples: int, seed: int, confidence: float = 0.95, chunk: int = 2000) -> dict:
-    """``pred_a`` / ``pred_b``: predicted labels, or a list of them (one per model, averaged metrics)."""
+                     resamples: int, seed: int, confidence: float = 0.95, chunk: int = 2000,
+                     clusters: np.ndarray | None = None) -> dict:
+    """``pred_a`` / ``pred_b``: predicted labels, or a list of them (one per model, averaged metrics).
+    ``clusters``: a cluster (patient) bootstrap over these cluster indices instead of images."""
     pred_a, pred_b = _models(pred_a), _models(pred_b)
     full = np.ones((1, len(y)))
     point_a = member_mean_metrics(y, pred_a, full)
     point_b = member_mean_metrics(y, pred_b, full)
     # the same indices serve both methods: that pairing is what the test is about
-    ma, mb = resampled_metrics(y, [pred_a, pred_b], resamples, np.random.default_rng(seed), chunk)
+    ma, mb = resampled_metrics(y, [pred_a, pred_b], resamples, np.random.default_rng(seed), chunk, clusters)
     result = {}
     for k in point_a:
         d = ma[k] - mb[k]
@@ -200,9 +225,21 @@ def comparison_files(cfg: Config, name: str) -> dict[str, tuple[list[int], list[
     return out
 
 
+def manifest_patients(manifest_csv: str | Path | None) -> dict[str, str]:
+    """``{sample_id: patient key}`` from the manifest (empty when it names none, or is not given)."""
+    if manifest_csv is None:
+        return {}
+    import csv
+
+    with Path(manifest_csv).open(newline="") as fh:
+        return {r["sample_id"]: f"{r['site']}/{r['patient']}" for r in csv.DictReader(fh) if r.get("patient")}
+
+
 def run_bootstrap(name: str, method_files: list[str], reference_files: list[str],
-                  seeds: tuple[list[int], list[int]], cfg: BootstrapConfig, out_json: str | Path) -> dict:
-    """``seeds``: the method's and the reference's ensemble seeds, one per prediction file, in order."""
+                  seeds: tuple[list[int], list[int]], cfg: BootstrapConfig, out_json: str | Path,
+                  manifest_csv: str | Path | None = None) -> dict:
+    """``seeds``: the method's and the reference's ensemble seeds, one per prediction file, in order.
+    ``manifest_csv``: where it names patients of the compared images, a patient-level bootstrap too."""
     comp = cfg.comparisons[name]
     method_seeds, reference_seeds = (list(s) for s in seeds)
     for role, files, sds in (("method", method_files, method_seeds), ("reference", reference_files, reference_seeds)):
@@ -214,18 +251,28 @@ def run_bootstrap(name: str, method_files: list[str], reference_files: list[str]
         if ids != ids_a or not np.array_equal(y, y_a):
             raise AlignmentError(f"{name}: the two methods' ensembles cover different images")
     resamples = cfg.ablation_resamples if comp.ablation else cfg.resamples
-    metrics = paired_bootstrap(y_a, [p.argmax(1) for _, _, p in ens_a.values()],
-                               [p.argmax(1) for _, _, p in ens_b.values()], resamples, cfg.seed, cfg.confidence)
+    preds_a, preds_b = [p.argmax(1) for _, _, p in ens_a.values()], [p.argmax(1) for _, _, p in ens_b.values()]
+    metrics = paired_bootstrap(y_a, preds_a, preds_b, resamples, cfg.seed, cfg.confidence)
+    patients = manifest_patients(manifest_csv)
+    keys = [patients.get(i, "") for i in ids_a]
+    patient_level = None
+    if any(keys):
+        clusters = cluster_index(keys)
+        patient_level = {"n_patients": len({k for k in keys if k}), "n_clusters": int(clusters.max()) + 1,
+                         "images_without_patient": sum(1 for k in keys if not k),
+                         "metrics": paired_bootstrap(y_a, preds_a, preds_b, resamples, cfg.seed, cfg.confidence,
+                                                     clusters=clusters)}
     doc = {"comparison": name, "method": comp.method, "reference": comp.reference, "ablation": comp.ablation,
            "cohort": "external",
            "ensemble": {"method_seeds": method_seeds, "reference_seeds": reference_seeds,
                         "method_models": sorted(ens_a), "reference_models": sorted(ens_b),
                         "method_checkpoints": len(method_files), "reference_checkpoints": len(reference_files)},
            "n_images": len(y_a), "n_resamples": resamples, "seed": cfg.seed, "confidence": cfg.confidence,
-           "metrics": metrics,
+           "interval_unit": "image", "metrics": metrics, "patient_level": patient_level,
            "provenance": provenance_block(STAGE, {"comparison": comp.model_dump(mode="json"), "seed": cfg.seed,
                                                   "resamples": resamples, "method_seeds": method_seeds,
                                                   "reference_seeds": reference_seeds},
-                                          {p: p for p in [*method_files, *reference_files]})}
+                                          {**{p: p for p in [*method_files, *reference_files]},
+                                           **({"manifest": manifest_csv} if manifest_csv else {})})}
     write_json(out_json, doc)
     return doc

@@ -7,6 +7,7 @@ The synthetic generator lives in :mod:`fedhisto.synth.cohort`.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -18,11 +19,15 @@ from fedhisto import CLASSES
 from fedhisto.atomic import write_json, write_with
 from fedhisto.config import CohortConfig
 from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.realdata.listing import sources_inventory
 from fedhisto.sources import SourceRow, collect_sources, write_sources_csv
 from fedhisto.synth.cohort import synthesize, write_planted
 from fedhisto.synth.stain import SITE_STYLES
 
 STAGE = "cohort"
+log = logging.getLogger(__name__)
+
+
 def contact_sheet(rows: Sequence[SourceRow], path: Path, per_class: int = 3, tile: int = 112) -> None:
     """A grid, one row per site and ``per_class`` examples per class, labelled for a human reader."""
     sites = list(dict.fromkeys(r.site for r in rows))
@@ -67,7 +72,14 @@ def run_cohort(cfg: CohortConfig, out_dir: str | Path, threads: int = 1) -> dict
         rows, excluded = collect_sources(cfg.real.sources)
         write_with(out / "excluded.csv", lambda tmp: tmp.write_text(
             "path,reason\n" + "".join(f"{json.dumps(e.path)},{json.dumps(e.reason)}\n" for e in excluded)))
-        summary |= {"excluded": len(excluded)}
+        if excluded:  # never silently: every file that is not read is counted here and listed in excluded.csv
+            log.warning("cohort: %d file(s) below the sources are not read, listed with their reason in %s: %s",
+                        len(excluded), out / "excluded.csv",
+                        dict(Counter(e.reason.split(" (")[0] for e in excluded).most_common()))
+        patients = {(r.site, r.patient) for r in rows if r.patient}
+        summary |= {"excluded": len(excluded), "inventory": sources_inventory(cfg.real.sources),
+                    "patients_or_slides": len(patients),
+                    "images_with_patient": sum(1 for r in rows if r.patient)}
         extra_outputs = ["excluded.csv"]
     write_with(out / "sources.csv", lambda tmp: write_sources_csv(tmp, rows))
     summary |= {"images": len(rows), "listed": summarize(rows)}

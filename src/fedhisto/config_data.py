@@ -74,10 +74,18 @@ class SourceSpec(Strict):
         None, description="kind csv only: folder the portable relpath of every row is taken from (default: the "
                           "CSV's own folder); set it when rows give paths outside that folder, e.g. absolute ones")
 
+    metadata: str | None = Field(
+        None, description="kind lunghist700 only: the dataset's metadata table (CSV with patient_id and image_id "
+                          "columns); a relative path is taken from root. Given, a patient's images stay in one "
+                          "partition and the bootstrap also resamples patients")
+
     @model_validator(mode="after")
     def _relpath_root_only_for_csv(self) -> SourceSpec:
         if self.relpath_root is not None and self.kind != "csv":
             raise ValueError(f"relpath_root applies only to kind csv (this source is kind {self.kind!r})")
+        if self.metadata is not None and self.kind != "lunghist700":
+            raise ValueError(f"metadata applies only to kind lunghist700 (this source is kind {self.kind!r}); a csv "
+                             "source gives patients in a 'patient' column, WSSS4LUAD names carry their slide")
         return self
 
 

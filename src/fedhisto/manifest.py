@@ -16,8 +16,13 @@
    keeping at least one optimisation image when n >= 2, seeded shuffle with the split seed.
 6. Source audit: ``source_composition.csv`` (partition x source x class) and, in manifest.json,
    the classes of validation / test that come from one source while the partition draws from several.
-7. Boundary audit: no SHA-256 match and no confirmed family edge may join two different
-   protected partitions (client optimisation sets and holdouts, validation, test, external).
+7. Boundary audit: no SHA-256 match, no confirmed family edge and no patient / slide edge may
+   join two different protected partitions (client optimisation sets and holdouts, validation,
+   test, external); ``metadata_edges.csv`` lists the patient / slide edges (``fedhisto.realdata.units``).
+
+Where a source names patients or slides, a unit is a family joined with every other image of its
+patient or slide; a unit holding several classes is drawn class by class, and the first partition
+that takes part of it claims the rest (only it may take them; otherwise they stay unused).
 
 Families (``whole_families``) are drawn whole while they fit. To hit a count exactly a
 partition may take part of one family; the rest of that family is then left unused, never
@@ -40,6 +45,13 @@ from fedhisto.atomic import write_csv, write_json
 from fedhisto.config import Config
 from fedhisto.manifest_sources import SOURCE_COLUMNS, allocate, single_source_classes, source_composition
 from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.realdata.units import (
+    METADATA_EDGE_COLUMNS,
+    group_key,
+    metadata_edges,
+    patient_audit,
+    unit_groups,
+)
 from fedhisto.sources import read_sources_csv
 from fedhisto.stage_config import stage_block
 from fedhisto.targets import (
@@ -106,27 +118,60 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
         log.warning(scaling_warning(factor, demand))
         targets = scale(requested, factor)
     seed = cfg.manifest.split_seed
-    # Units are what must stay together: a whole family (family_policy whole_families) or one image.
+    # Units are what must stay together: a whole family (family_policy whole_families) or one image,
+    # joined with every other image of its patient or slide where a source names them (realdata.units).
+    patient_of = {i: group_key(by_id[i]["site"], meta[by_id[i]["relpath"]].patient) for i in internal_ids
+                  if meta[by_id[i]["relpath"]].patient}
     members: dict[str, list[str]] = defaultdict(list)
-    for i in internal_ids:
-        members[by_id[i]["family"]].append(i)
-    unit_of = {i: [i] if leaky else sorted(members[by_id[i]["family"]]) for i in internal_ids}
+    if patient_of:
+        group_of = unit_groups(sorted(internal_ids), {i: by_id[i]["family"] for i in internal_ids}, patient_of,
+                               use_families=not leaky)
+        for i in internal_ids:
+            members[(group_of[i], by_id[i]["label"])].append(i)
+        unit_of = {i: sorted(members[(group_of[i], by_id[i]["label"])]) for i in internal_ids}
+        # a group holding several classes (a slide's tumour and normal tiles) is drawn class by class: the
+        # first partition to take any of it claims the rest, which only that partition may take (or nobody)
+        labels_of: dict[str, set[str]] = defaultdict(set)
+        for i in internal_ids:
+            labels_of[group_of[i]].add(by_id[i]["label"])
+        cross_class = any(len(v) > 1 for v in labels_of.values())
+    else:
+        for i in internal_ids:
+            members[by_id[i]["family"]].append(i)
+        unit_of = {i: [i] if leaky else sorted(members[by_id[i]["family"]]) for i in internal_ids}
+        group_of, cross_class = {}, False
+    claims: dict[str, tuple[str, str | None]] = {}  # group -> (partition, split; None while only the client is fixed)
     assignment: dict[str, tuple[str, str, str]] = {}  # id -> (partition, client, split)
     unused = ("unused", "", "unused")
 
+    def allowed(unit: list[str], owner: tuple[str, str | None] | None) -> bool:
+        c = claims.get(group_of[unit[0]]) if cross_class and owner else None
+        return c is None or (c[0] == owner[0] and (c[1] is None or owner[1] is None or c[1] == owner[1]))
+
+    def claim(ids: list[str], owner: tuple[str, str | None] | None) -> None:
+        if cross_class and owner:
+            for i in ids:
+                if claims.get(group_of[i], (None, None))[1] is None:
+                    claims[group_of[i]] = owner
+
     def take(candidates: list[str], count: int, units: dict[str, list[str]],
-             blocked: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+             blocked: set[str] = frozenset(), owner: tuple[str, str | None] | None = None) -> list[str]:  # type: ignore[assignment]
         """Exactly ``count`` images in the given order, families kept out of every other partition.
 
         First whole units that fit and of which nothing is placed, in order (the only pass that
         matters when units are single images); then, while short, part of the untouched unit that
         wastes least, whose rest is marked unused here so that no other partition can take it.
+        ``owner`` (partition, split): with groups that span classes, units another partition has
+        claimed are blocked, and units this partition claimed come first, so that less is wasted.
         """
         chosen: list[str] = []
         placed: set[str] = set()
+        if cross_class and owner:
+            mine = [i for i in candidates if claims.get(group_of[i], ("",))[0] == owner[0]]
+            candidates = mine + [i for i in candidates if claims.get(group_of[i], ("",))[0] != owner[0]]
 
         def untouched(unit: list[str]) -> bool:
-            return not any(u in assignment or u in placed or u in blocked for u in unit)
+            return not any(u in assignment or u in placed or u in blocked for u in unit) and allowed(unit, owner)
 
         for i in candidates:
             if len(chosen) == count:
@@ -150,6 +195,7 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
             for u in unit:
                 if u not in part:
                     assignment[u] = unused
+        claim(chosen, owner)
         return chosen
 
     def short(what: str, need: int, got: int, sites: str) -> ManifestError:
@@ -163,17 +209,21 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
         for c, cls in enumerate(CLASSES):
             free = _order([i for i in internal_ids if i not in assignment and by_id[i]["label"] == cls
                            and (not sites or by_id[i]["site"] in sites)], seed, 1, k, c)
-            chosen = take(free, pool[c], unit_of)
+            chosen = take(free, pool[c], unit_of, owner=(client, None))
             if len(chosen) < pool[c]:
                 raise short(f"client {client} {cls}", pool[c], len(chosen), str(sorted(sites)))
             n_hold = holdout_count(len(chosen), cfg.manifest.holdout_fraction[client])
             in_pool = set(chosen)  # holdouts are drawn in units of this pool too
             holdout = set(take(_order(chosen, seed, 2, k, c), n_hold,
-                               {i: [u for u in unit_of[i] if u in in_pool] for i in chosen}))
+                               {i: [u for u in unit_of[i] if u in in_pool] for i in chosen}, owner=(client, "holdout")))
+            for i in chosen:  # a group another class already put in the holdout cannot train here: unused
+                if i not in holdout and i not in assignment and not allowed([i], (client, "optimisation")):
+                    assignment[i] = unused
             optimisation = [i for i in chosen if i not in holdout and i not in assignment]
+            claim(optimisation, (client, "optimisation"))
             missing = len(chosen) - len(holdout) - len(optimisation)  # rest of a family split by the holdout
             if missing:  # refill the optimisation set from untouched families, in the pool's order
-                extra = take(free, missing, unit_of, blocked=in_pool)
+                extra = take(free, missing, unit_of, blocked=in_pool, owner=(client, "optimisation"))
                 if len(extra) < missing:
                     raise short(f"client {client} {cls} (optimisation refill)", missing, len(extra),
                                 str(sorted(sites)))
@@ -192,12 +242,13 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
         for split, count in splits:
             chosen: list[str] = []
             for source, n in sorted(shares.get(split, {}).items()):
-                part = take([i for i in free if i not in assignment and by_id[i]["site"] == source], n, unit_of)
+                part = take([i for i in free if i not in assignment and by_id[i]["site"] == source], n, unit_of,
+                            owner=(split, split))
                 for i in part:
                     assignment[i] = (split, "", split)
                 chosen += part
             # unstratified, or what a source could not fill (family units): any leftover of the class, in order
-            rest = take([i for i in free if i not in assignment], count - len(chosen), unit_of)
+            rest = take([i for i in free if i not in assignment], count - len(chosen), unit_of, owner=(split, split))
             if stratify and rest:
                 log.warning("manifest.stratify_by_source: %s %s took %d image(s) beyond its sources' shares %s "
                             "(families could not fill them exactly)", split, cls, len(rest), shares[split])
@@ -220,13 +271,19 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
         rows.append({"sample_id": i, "relpath": r["relpath"], "path": r["path"], "label": r["label"],
                      "source": m.source, "site": r["site"], "cohort": r["cohort"],
                      "differentiation": m.differentiation, "magnification": m.magnification, "sha256": r["sha256"],
-                     "family": r["family"], "partition": partition, "client": client, "split": split})
+                     "family": r["family"], "partition": partition, "client": client, "split": split,
+                     **({"patient": m.patient} if m.patient else {})})
     info = {"scale_factor": factor, "allow_scaling": cfg.manifest.allow_scaling, "scaled": factor < 1.0,
             "family_policy": policy, "requested_targets": requested.model_dump(mode="json"),
             "targets": targets.model_dump(mode="json")}
     if factor < 1.0:
         info["shortfalls"] = demand
     return rows, info
+
+
+def manifest_columns(rows: list[dict]) -> tuple[str, ...]:
+    """The patient column only where a source names patients or slides: a cohort without them keeps its bytes."""
+    return (*MANIFEST_COLUMNS, "patient") if any("patient" in r for r in rows) else MANIFEST_COLUMNS
 
 
 def boundary(row: dict) -> str:
@@ -238,8 +295,10 @@ def boundary_audit(rows: list[dict], edges_csv: str | Path) -> dict:
     digests = {r["relpath"]: r["sha256"] for r in rows}
     where = {r["relpath"]: boundary(r) for r in rows if r["split"] != "unused"}
     leaks = []
+    pixel_edges = 0
     with Path(edges_csv).open() as fh:
         for e in csv.DictReader(fh):
+            pixel_edges += e["decision"] == "confirmed"
             if e["decision"] == "confirmed" and e["a"] in where and e["b"] in where and where[e["a"]] != where[e["b"]]:
                 leaks.append({"a": e["a"], "b": e["b"], "stage": e["stage"], "boundaries": [where[e["a"]], where[e["b"]]]})
     by_digest: dict[str, set] = defaultdict(set)
@@ -247,7 +306,9 @@ def boundary_audit(rows: list[dict], edges_csv: str | Path) -> dict:
         if rel in digests:
             by_digest[digests[rel]].add(b)
     exact = [d for d, bs in by_digest.items() if len(bs) > 1]
+    # which edges came from pixels (clearance's edges.csv) and which from metadata (metadata_edges.csv)
     return {"cross_boundary_family_edges": leaks, "cross_boundary_exact_matches": exact,
+            "confirmed_pixel_edges": pixel_edges, **patient_audit(rows, where, metadata_edges(rows)),
             "boundaries": sorted(set(where.values()))}
 
 
@@ -279,7 +340,8 @@ def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: s
                  out_dir: str | Path) -> dict:
     rows, info = build_manifest(sources_csv, families_csv, cfg)
     audit = boundary_audit(rows, edges_csv)
-    leaks = len(audit["cross_boundary_family_edges"]) + len(audit["cross_boundary_exact_matches"])
+    leaks = len(audit["cross_boundary_family_edges"]) + len(audit["cross_boundary_exact_matches"]) + \
+        len(audit["cross_boundary_metadata_edges"])
     if cfg.clearance.family_policy == "ignore_families":
         # wanted only by the leakage experiment: recorded loudly, never silently
         log.warning("clearance.family_policy ignore_families: augmentation families are IGNORED; %d family edge(s) "
@@ -288,13 +350,18 @@ def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: s
     elif leaks:
         raise ManifestError(f"protected boundaries leak: {len(audit['cross_boundary_family_edges'])} family edge(s) "
                             f"{audit['cross_boundary_family_edges'][:5]}, {len(audit['cross_boundary_exact_matches'])} "
-                            "exact match(es)")
+                            f"exact match(es), {len(audit['cross_boundary_metadata_edges'])} patient/slide edge(s) "
+                            f"{audit['cross_boundary_metadata_edges'][:5]}")
     else:
         result = "zero cross-boundary exact and family edges"
+    if audit["patients_or_slides"]:
+        result += (f"; {len(audit['patients_spanning_partitions'])} of {audit['patients_or_slides']} patients/slides "
+                   "span two partitions")
     out = Path(out_dir)
     prov = provenance_block(STAGE, stage_block(cfg, STAGE), {"sources": sources_csv, "families": families_csv, "edges": edges_csv})
     comp = composition(rows)
-    write_csv(out / "manifest.csv", rows, MANIFEST_COLUMNS)
+    write_csv(out / "manifest.csv", rows, manifest_columns(rows))
+    write_csv(out / "metadata_edges.csv", metadata_edges(rows), METADATA_EDGE_COLUMNS)
     write_csv(out / "composition.csv", comp, ["partition", "subset", *CLASSES, "total"])
     write_csv(out / "source_composition.csv", source_composition(rows), SOURCE_COLUMNS)
     summary = {"dataset_identity": dataset_identity(rows), "images": len(rows), **info,
@@ -303,6 +370,6 @@ def run_manifest(sources_csv: str | Path, families_csv: str | Path, edges_csv: s
                                 "single_source_classes": single_source_classes(rows)},
                "provenance": prov}
     write_json(out / "manifest.json", summary)
-    for name in ("manifest.csv", "composition.csv", "source_composition.csv"):
+    for name in ("manifest.csv", "composition.csv", "source_composition.csv", "metadata_edges.csv"):
         write_sidecar(out / name, prov)
     return summary

@@ -93,13 +93,18 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
         rows = []
         for b in (b for b in boots if b["ablation"] == ablation):
             seeds = {f"{role}_seeds": " ".join(map(str, b["ensemble"][f"{role}_seeds"])) for role in ("method", "reference")}
-            for metric, v in b["metrics"].items():
-                # no replicate crossed 0: p is an upper bound, printed as the study does ("< 0.0002")
-                p_text = f"< {v['p_two_sided']:g}" if v["p_is_upper_bound"] else v["p_two_sided"]
-                rows.append({"comparison": b["comparison"], **seeds, "metric": metric, "method": v["method"],
-                             "reference": v["reference"], "difference": v["difference"], "ci_low": v["ci_low"],
-                             "ci_high": v["ci_high"], "p_two_sided": p_text,
-                             "p_delta_positive": v["p_delta_positive"], "n_resamples": v["n_resamples"]})
+            # one row per metric and resampling unit: images always; patients where the manifest names them
+            units = [("image", b["metrics"])] + ([("patient", b["patient_level"]["metrics"])]
+                                                 if b.get("patient_level") else [])
+            for metric in b["metrics"]:
+                for unit, metrics in units:
+                    v = metrics[metric]
+                    # no replicate crossed 0: p is an upper bound, printed as the study does ("< 0.0002")
+                    p_text = f"< {v['p_two_sided']:g}" if v["p_is_upper_bound"] else v["p_two_sided"]
+                    rows.append({"comparison": b["comparison"], **seeds, "metric": metric, "unit": unit,
+                                 "method": v["method"], "reference": v["reference"], "difference": v["difference"],
+                                 "ci_low": v["ci_low"], "ci_high": v["ci_high"], "p_two_sided": p_text,
+                                 "p_delta_positive": v["p_delta_positive"], "n_resamples": v["n_resamples"]})
         involved = {x for b in boots if b["ablation"] == ablation for x in (b["method"], b["reference"])}
         write_table(tables / name, rows, title, unavailability_notes(m["summary"], involved))
     with Path(communication_csv).open() as fh:

@@ -12,11 +12,14 @@ site                acquisition site (the client sources draw from sites)
 cohort              internal (clients, validation, test) or external
 differentiation     well / moderately / poorly, empty when unknown or not applicable
 magnification       20x / 40x, empty when unknown
+patient             ``slide:<id>`` or ``patient:<id>`` (``fedhisto.realdata.patients``); the
+                    column is written only when some source knows patients or slides
 ==================  ===========================================================
 
 Every problem is an error naming the file, folder, or label; an image is never skipped
-silently. WSSS4LUAD tiles whose label vector maps to no study class are excluded only when
-the config says so, and every exclusion is returned with its reason.
+silently. Files that are not images (``.DS_Store``, ``Thumbs.db``, a README, a metadata table)
+are returned as exclusions with their reason (``fedhisto.realdata.listing``); WSSS4LUAD tiles
+whose label vector maps to no study class are excluded only when the config says so.
 """
 
 from __future__ import annotations
@@ -32,14 +35,19 @@ from PIL import Image, UnidentifiedImageError
 
 from fedhisto import CLASSES
 from fedhisto.config import SourceSpec
+from fedhisto.realdata.listing import IMAGE_SUFFIXES, Exclusion, list_folder
+from fedhisto.realdata.patients import MetadataError, patient_value, read_patient_table, slide_value
+
+__all__ = ["IMAGE_SUFFIXES", "Exclusion", "SourceError", "SourceRow", "collect_sources"]
 
 SOURCES_COLUMNS = ("path", "relpath", "label", "source", "site", "cohort", "differentiation", "magnification")
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".tif", ".tiff"}
+PATIENT_COLUMN = "patient"
 LC25000_FOLDERS = {"lung_aca": "ACA", "lung_n": "Normal", "lung_scc": "SCC"}
 LUNGHIST700_CLASS = {"aca": "ACA", "nor": "Normal", "scc": "SCC"}
 LUNGHIST700_DIFF = {"bd": "well", "md": "moderately", "pd": "poorly"}
 LUNGHIST700_NAME = re.compile(r"^(aca|scc|nor)_(?:(bd|md|pd)_)?(20x|40x)_[^/]+\.(?:jpe?g|png|tiff?)$", re.I)
 WSSS4LUAD_NAME = re.compile(r"^.+-\[\s*([01])\s*,\s*([01])\s*,\s*([01])\s*\]\.png$", re.I)
+WSSS4LUAD_SLIDE = re.compile(r"^([^-\s]+)-\d+-\d+-\[")  # <slide>-<x>-<y>-[...]
 LABEL_ALIASES = {
     "aca": "ACA", "adenocarcinoma": "ACA", "lung_aca": "ACA", "luad": "ACA",
     "normal": "Normal", "n": "Normal", "nor": "Normal", "lung_n": "Normal",
@@ -61,12 +69,7 @@ class SourceRow:
     cohort: str
     differentiation: str = ""
     magnification: str = ""
-
-
-@dataclass(frozen=True)
-class Exclusion:
-    path: str
-    reason: str
+    patient: str = ""
 
 
 def _require_dir(root: Path, what: str) -> None:
@@ -85,18 +88,12 @@ def _check_openable(path: Path) -> None:
         raise SourceError(f"unreadable image: {path} ({exc})") from None
 
 
-def _image_files(root: Path, what: str) -> list[Path]:
-    """All image files below ``root``; any other visible file is an error, hidden files are ignored."""
-    files: list[Path] = []
-    for p in sorted(root.rglob("*")):
-        if p.is_dir() or any(part.startswith(".") for part in p.relative_to(root).parts):
-            continue
-        if p.suffix.lower() not in IMAGE_SUFFIXES:
-            raise SourceError(f"{what}: not an image file: {p} (accepted: {', '.join(sorted(IMAGE_SUFFIXES))})")
-        files.append(p)
+def _image_files(root: Path, what: str, named: dict[Path, str] | None = None) -> tuple[list[Path], list[Exclusion]]:
+    """All image files below ``root``, and every other file with the reason it is not read."""
+    files, excluded = list_folder(root, named)
     if not files:
         raise SourceError(f"{what}: no images found under {root}")
-    return files
+    return files, excluded
 
 
 def _row(spec: SourceSpec, root: Path, path: Path, label: str, **meta: str) -> SourceRow:
@@ -115,11 +112,20 @@ def read_lc25000(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]]:
     if unknown:
         raise SourceError(f"LC25000 {root}: unknown class folder(s) {sorted(unknown)}; "
                           f"expected only {sorted(LC25000_FOLDERS)}")
-    rows = []
+    rows, excluded = [], []
     for folder, label in LC25000_FOLDERS.items():
         _require_dir(root / folder, f"LC25000 class {label}")
-        rows += [_row(spec, root, p, label) for p in _image_files(root / folder, f"LC25000 {folder}")]
-    return rows, []
+        files, skipped = _image_files(root / folder, f"LC25000 {folder}")
+        rows += [_row(spec, root, p, label) for p in files]
+        excluded += skipped
+    # files beside the class folders (a README, a licence) and in hidden folders are listed too, never
+    # silently passed over
+    excluded += [Exclusion(str(p.resolve()), "not in a class folder") for p in sorted(root.iterdir())
+                 if p.is_file()]
+    excluded += [Exclusion(str(f.resolve()), "hidden file or folder (name starts with '.')")
+                 for d in sorted(root.iterdir()) if d.is_dir() and d.name.startswith(".")
+                 for f in sorted(d.rglob("*")) if not f.is_dir()]
+    return rows, excluded
 
 
 def wsss4luad_label(tumor: int, stroma: int, normal: int) -> str | None:
@@ -138,15 +144,21 @@ def wsss4luad_label(tumor: int, stroma: int, normal: int) -> str | None:
 
 
 def read_wsss4luad(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]]:
-    """WSSS4LUAD training tiles named ``<id>-[tumor, stroma, normal].png``."""
+    """WSSS4LUAD training tiles named ``<slide>-<x>-<y>-[tumor, stroma, normal].png``."""
     root = Path(spec.root)
     _require_dir(root, "WSSS4LUAD")
-    rows, excluded = [], []
-    for p in _image_files(root, "WSSS4LUAD"):
+    rows = []
+    files, excluded = _image_files(root, "WSSS4LUAD")
+    for p in files:
         m = WSSS4LUAD_NAME.match(p.name)
         if not m:
             raise SourceError(f"WSSS4LUAD: file name carries no [tumor, stroma, normal] label: {p} "
                               "(point root at the labelled training folder)")
+        slide = WSSS4LUAD_SLIDE.match(p.name)
+        if not slide:
+            raise SourceError(f"WSSS4LUAD: file name carries no slide id: {p} (expected "
+                              "<slide>-<x>-<y>-[tumor, stroma, normal].png, e.g. 436219-7159-48057-[1, 0, 0].png); "
+                              "without it tiles of one slide could land in two partitions")
         vec = tuple(int(g) for g in m.groups())
         label = wsss4luad_label(*vec)
         if label is None:
@@ -155,7 +167,7 @@ def read_wsss4luad(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]]:
                 raise SourceError(f"WSSS4LUAD: {p}: {reason} (set unmapped: exclude to record and exclude it)")
             excluded.append(Exclusion(str(p.resolve()), reason))
             continue
-        rows.append(_row(spec, root, p, label))
+        rows.append(_row(spec, root, p, label, patient=slide_value(slide.group(1))))
     return rows, excluded
 
 
@@ -163,8 +175,14 @@ def read_lunghist700(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]
     """LungHist700: class, differentiation and magnification in names like ``aca_bd_20x_12.jpg``."""
     root = Path(spec.root)
     _require_dir(root, "LungHist700")
+    table = (root / spec.metadata) if spec.metadata else None
+    files, excluded = _image_files(root, "LungHist700", {table: "the source's patient metadata table"} if table else None)
+    try:
+        patients = read_patient_table(table, files) if table else {}
+    except MetadataError as exc:
+        raise SourceError(f"LungHist700: {exc}") from None
     rows = []
-    for p in _image_files(root, "LungHist700"):
+    for p in files:
         m = LUNGHIST700_NAME.match(p.name)
         if not m:
             raise SourceError(f"LungHist700: cannot parse class/differentiation/magnification from {p} "
@@ -173,8 +191,8 @@ def read_lunghist700(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]
         if cls in ("aca", "scc") and not diff:
             raise SourceError(f"LungHist700: {p}: {cls} image without differentiation (bd/md/pd)")
         rows.append(_row(spec, root, p, LUNGHIST700_CLASS[cls], differentiation=LUNGHIST700_DIFF.get(diff, ""),
-                         magnification=mag))
-    return rows, []
+                         magnification=mag, patient=patients.get(p, "")))
+    return rows, excluded
 
 
 def parse_label(value: str, where: str) -> str:
@@ -221,13 +239,19 @@ def read_csv_source(spec: SourceSpec) -> tuple[list[SourceRow], list[Exclusion]]
         raise SourceError(f"{csv_path}:{line}: image {p} lies outside {base}, the folder portable relpaths are taken "
                           f"from ({how}); {len(outside)} row(s) do. A relpath_root holding every row: {common}")
     rows = []
+    has_patients = PATIENT_COLUMN in (reader.fieldnames or ())
     for line, rec, p in listed:
         where = f"{csv_path}:{line}"
         if not p.is_file():
             raise SourceError(f"{where}: image not found: {p}")
+        patient = (rec.get(PATIENT_COLUMN) or "").strip()
+        if has_patients and not patient:
+            raise SourceError(f"{where}: image {p} has an empty {PATIENT_COLUMN!r} (the column, once present, "
+                              "needs a value on every row)")
         rows.append(_row(spec, base, p, parse_label(rec["label"], where),
                          differentiation=(rec.get("differentiation") or "").strip(),
-                         magnification=(rec.get("magnification") or "").strip()))
+                         magnification=(rec.get("magnification") or "").strip(),
+                         patient=patient_value(patient) if patient else ""))
     return rows, []
 
 
@@ -253,16 +277,20 @@ def collect_sources(specs: Iterable[SourceSpec]) -> tuple[list[SourceRow], list[
 
 
 def write_sources_csv(path: Path, rows: Iterable[SourceRow]) -> None:
+    """The ``patient`` column only when some row has one: a cohort without patients keeps its bytes."""
+    rows = list(rows)
+    columns = (*SOURCES_COLUMNS, PATIENT_COLUMN) if any(r.patient for r in rows) else SOURCES_COLUMNS
     with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=SOURCES_COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(handle, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         for r in rows:
-            writer.writerow(asdict(r))
+            writer.writerow({k: v for k, v in asdict(r).items() if k in columns})
 
 
 def read_sources_csv(path: str | Path) -> list[SourceRow]:
     with Path(path).open(newline="") as handle:
         reader = csv.DictReader(handle)
-        if tuple(reader.fieldnames or ()) != SOURCES_COLUMNS:
-            raise SourceError(f"{path}: columns {reader.fieldnames} differ from the sources schema {list(SOURCES_COLUMNS)}")
+        if tuple(reader.fieldnames or ()) not in (SOURCES_COLUMNS, (*SOURCES_COLUMNS, PATIENT_COLUMN)):
+            raise SourceError(f"{path}: columns {reader.fieldnames} differ from the sources schema {list(SOURCES_COLUMNS)} "
+                              f"(+ optional {PATIENT_COLUMN!r})")
         return [SourceRow(**rec) for rec in reader]

@@ -1,4 +1,4 @@
-# Stage bootstrap: paired image-level bootstrap of one named comparison on the external cohort.
+# Stage bootstrap: paired image-level (and, where patients are known, patient-level) bootstrap of one named comparison on the external cohort.
 # Only the two methods' runs are needed: `snakemake results/bootstrap/v2_vs_fedavg.json` builds
 # exactly those. An ablation comparison uses train.ablation_seeds for both ensembles (Table 7).
 
@@ -7,6 +7,8 @@ rule bootstrap_comparison:
     input:
         method=lambda wildcards: comparison_inputs(wildcards.comparison, "method"),
         reference=lambda wildcards: comparison_inputs(wildcards.comparison, "reference"),
+        # patients of the compared images, for the patient-level (cluster) bootstrap beside the image-level one
+        manifest="results/manifest/manifest.csv",
     output:
         json="results/bootstrap/{comparison}.json",
     log:

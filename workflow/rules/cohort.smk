@@ -37,6 +37,9 @@ else:
             "logs/cohort/collect_sources.log",
         params:
             block=stage_block(CFG, "cohort"),
+            # path, size and mtime of every file below the sources: adding, removing or editing an image
+            # reruns this stage and, through its outputs, everything after it; nothing else reruns
+            inventory=sources_inventory(CFG.cohort.real.sources),
         threads: 1
         resources:
             mem_mb=2000,

@@ -9,6 +9,7 @@ from fedhisto.config import load_config
 from fedhisto.experiments import layout as experiment_layout
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
+from fedhisto.realdata.listing import sources_inventory
 from fedhisto.zoo import encoder_entry
 from fedhisto.stage_config import stage_block
 from fedhisto.warm import start_server, stop_server as stop_warm_server

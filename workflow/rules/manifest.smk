@@ -11,6 +11,7 @@ rule build_manifest:
         composition="results/manifest/composition.csv",
         source_composition="results/manifest/source_composition.csv",
         summary="results/manifest/manifest.json",
+        metadata_edges="results/manifest/metadata_edges.csv",
     log:
         "logs/manifest/build_manifest.log",
     params:

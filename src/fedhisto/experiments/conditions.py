@@ -19,7 +19,7 @@ from pathlib import Path
 from fedhisto.atomic import write_csv, write_json
 from fedhisto.clearance.stage import refile
 from fedhisto.config import Config
-from fedhisto.manifest import MANIFEST_COLUMNS, composition, dataset_identity, run_manifest
+from fedhisto.manifest import composition, dataset_identity, manifest_columns, run_manifest
 from fedhisto.provenance import provenance_block, write_sidecar
 
 STAGE = "experiments"
@@ -76,7 +76,7 @@ def leave_one_site_out_manifest(manifest_csv: str | Path, manifest_json: str | P
     out = Path(out_dir)
     prov = provenance_block(STAGE, {"left_out": client, "sites": sorted(sites)},
                             {"manifest": manifest_csv, "identity": manifest_json})
-    write_csv(out / "manifest.csv", out_rows, MANIFEST_COLUMNS)
+    write_csv(out / "manifest.csv", out_rows, manifest_columns(out_rows))
     write_csv(out / "composition.csv", composition(out_rows), None)
     summary = {"dataset_identity": dataset_identity(out_rows), "images": len(out_rows), "left_out": client,
                "left_out_sites": sorted(sites), "moved_to_external": dict(sorted(moved.items())),
