@@ -187,9 +187,9 @@ def test_fedstain_paper_protocol_switches_optimiser_epochs_batch_and_lr_schedule
     from fedhisto.methods.base import LocalSchedule
 
     study = build_method("fedstain", load_config({}))
-    assert study.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1)  # the study's, as every method
+    assert study.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1, 5.0)  # the study's, as every method
     paper = build_method("fedstain", load_config({"train": {"max_rounds": 5, "fedstain": {"protocol": "paper"}}}))
-    assert paper.local_schedule(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1)
+    assert paper.local_schedule(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1, 5.0)
     assert paper.local_schedule(4).lr == pytest.approx(2.5e-6) and paper.local_schedule(2).lr == pytest.approx(5.125e-5)
     cfg = load_config({**ONE_ROUND, "train": {**ONE_ROUND["train"],
                                               "fedstain": {"protocol": "paper", "paper_local_epochs": 1}}})

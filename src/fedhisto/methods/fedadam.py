@@ -60,8 +60,9 @@ class FedAdamConfig(Strict):
     beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay; the paper fixes 0.9 in its experiments")
     beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay (adam, yogi); the paper fixes 0.99 in "
                                                         "its experiments")
-    tau: float = Field(1e-3, gt=0, description="adaptivity (the paper tunes it per task over powers of 10); 1e-3 "
-                                               "as in Flower's FedAdam, which implements the paper; v starts at tau^2")
+    tau: float = Field(1e-3, gt=0, description="adaptivity (the paper tunes it per task over powers of 10); [ours] "
+                                               "1e-3, Flower's FedYogi default (Flower's FedAdam defaults to 1e-9), "
+                                               "not tuned here; v starts at tau^2")
 
 
 def server_step(delta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: FedAdamConfig

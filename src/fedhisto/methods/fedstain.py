@@ -183,7 +183,7 @@ class FedStain(Method):
             return super().local_schedule(round_idx)
         span = max(self.cfg.train.max_rounds - 1, 1)
         lr = fs.paper_lr + (fs.paper_lr_end - fs.paper_lr) * min(round_idx, span) / span
-        return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1)
+        return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1, self.cfg.train.grad_clip)
 
     pre_uploads = True
 
