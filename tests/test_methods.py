@@ -196,3 +196,22 @@ def test_fedstain_paper_protocol_switches_optimiser_epochs_batch_and_lr_schedule
     train(prepared, "fedstain", tmp_path / "paper", cfg=cfg)
     (row,) = history_rows(tmp_path / "paper")
     assert all(set(t) == {"ce", "supcon", "js"} for t in json.loads(row["losses"]).values())
+
+
+# ------------------------------------------------ comparators declare their papers' assumptions
+def test_comparators_under_the_studys_adamw_are_marked_and_under_their_own_optimiser_are_not():
+    """FedAdam's Algorithm 2 and FedStain's paper train their clients with SGD and Adam; under the study's
+    AdamW protocol the report marks them, under FedStain's own protocol nothing is marked. The study's
+    arms and the references declare nothing (their protocol is the study's)."""
+    from fedhisto.caveats import method_caveats
+
+    cfg = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "fedadam", "fedstain", "fedstain_code",
+                                             "local_only", "pooled", "scaffold"]}})
+    marks = method_caveats(cfg)
+    assert sorted(marks) == ["fedadam", "fedstain", "fedstain_code"]
+    assert marks["fedadam"] == ["fedadam: local steps are adamw (lr 0.0001); Reddi et al. 2021 (Algorithm 2) assumes sgd"]
+    assert marks["fedstain"] == ["fedstain: local steps are adamw (lr 0.0001); FedStain (its paper's Tables I-II and "
+                                 "code) assumes adam"]
+    paper = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "fedstain"],
+                                   "fedstain": {"protocol": "paper"}}})
+    assert method_caveats(paper) == {}

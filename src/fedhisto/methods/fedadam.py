@@ -43,7 +43,7 @@ from pydantic import Field
 
 from fedhisto.config_base import Strict
 from fedhisto.fedmath.aggregate import lora_pairs
-from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
+from fedhisto.methods.base import GLOBAL, Method, PaperAssumptions, RoundUpdate
 from fedhisto.model.peft_model import FedHistoModel
 
 State = dict[str, torch.Tensor]
@@ -98,6 +98,10 @@ def pair_key(a_key: str) -> str:
 
 class FedAdam(Method):
     """fedavg_peft's clients with an adaptive server optimiser (see the module docstring)."""
+
+    # Algorithm 2's clients take plain SGD steps (x <- x - eta_l g); here they run the study's AdamW, so
+    # the report marks the departure (the server optimiser is the paper's)
+    assumptions = PaperAssumptions("Reddi et al. 2021 (Algorithm 2)", local_optimizer="sgd")
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         p = self.settings

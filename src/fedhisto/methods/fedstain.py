@@ -40,6 +40,7 @@ from fedhisto.methods.base import (
     LocalRun,
     LocalSchedule,
     Method,
+    PaperAssumptions,
     balanced_cross_entropy,
     named_rng,
 )
@@ -171,6 +172,10 @@ class FedStain(Method):
     """Server: pools every client's uploaded statistics and sends each client the pool without its own
     rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Client: statistics of ceil(r n_i) images
     before training; L = CE + alpha L_RA + beta L_JS over four views per batch (eq. 6)."""
+
+    # its paper's Tables I-II and its authors' code train with Adam (no weight decay); ``protocol: study``
+    # (the default) trains with the study's AdamW and is marked as a departure in the report
+    assumptions = PaperAssumptions("FedStain (its paper's Tables I-II and code)", local_optimizer="adam")
 
     def local_schedule(self, round_idx: int) -> LocalSchedule:
         """``train.fedstain.protocol``: ``study`` trains like every other method here (the comparison
