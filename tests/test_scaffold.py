@@ -72,6 +72,16 @@ def test_option_ii_variates_and_model_step_by_hand():
     assert torch.equal(state2["clients"]["C2"]["p"], state["clients"]["C2"]["p"])  # B did not return: kept
 
 
+def test_a_diverged_participant_is_refused_by_name_and_learning_rate():
+    method = scaffold(local_lr=0.3)
+    x = {"p": t(1.0, 2.0)}
+    update = RoundUpdate(2, {"C1": x, "C2": {"p": t(1.0, float("nan"))}}, {"C1": x, "C2": x}, {"C1": 1, "C2": 1},
+                         {"C1": 1, "C2": 1}, {"C1": 0.5, "C2": 0.5}, None)
+    with pytest.raises(ValueError, match=r"participant C2's state after round 3 is not finite \(p, 1 tensor\(s\)\): "
+                                         r"its SGD local steps diverged; lower train.scaffold.local_lr \(0.3\)"):
+        method.aggregate_train(update, SimpleNamespace(lora_scaling=1.0))
+
+
 def test_a_participant_without_steps_is_refused_by_name():
     method = scaffold()
     x = {"p": t(1.0, 2.0)}

@@ -61,8 +61,9 @@ class FedAdamConfig(Strict):
     beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay (adam, yogi); the paper fixes 0.99 in "
                                                         "its experiments")
     tau: float = Field(1e-3, gt=0, description="adaptivity (the paper tunes it per task over powers of 10); [ours] "
-                                               "1e-3, Flower's FedYogi default (Flower's FedAdam defaults to 1e-9), "
-                                               "not tuned here; v starts at tau^2")
+                                               "1e-3, not tuned here (Flower 1.42's defaults differ by strategy: "
+                                               "1e-3 for FedYogi and the Message-API FedAdam, 1e-9 for the legacy "
+                                               "flwr.server.strategy.FedAdam); v starts at tau^2")
 
 
 def server_step(delta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: FedAdamConfig

@@ -266,6 +266,12 @@ class Scaffold(Method):
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         returned = sorted(update.states)
         start = update.starts[returned[0]]
+        for n in returned:  # SGD without clipping diverges at too large an eta_l: say so, not an SVD error
+            bad = sorted(k for k, v in update.states[n].items() if not bool(torch.isfinite(v).all()))
+            if bad:
+                raise ValueError(f"scaffold: participant {n}'s state after round {update.round_idx + 1} is not finite "
+                                 f"({bad[0]}, {len(bad)} tensor(s)): its SGD local steps diverged; lower "
+                                 f"train.scaffold.local_lr ({self.local_schedule(update.round_idx).lr:g})")
         weights = [update.weights[n] for n in returned]
         if abs(sum(weights) - 1.0) > 1e-6:
             raise ValueError(f"scaffold: aggregation weights must sum to 1, got {sum(weights)}")
