@@ -107,14 +107,10 @@ class LocalSchedule:
 
 @dataclass(frozen=True)
 class PaperAssumptions:
-    """What a method's own paper assumes of the protocol it runs under, declared in the method's file.
-
-    ``local_optimizer``: the local steps the paper's algorithm is written for ("sgd", "adamw", or "any");
-    ``weighting``: how the server weights returned participants ("sample_mass", "uniform", "adaptive",
-    or "any"); ``participation``: which participants a round's update assumes ("any": full or sampled,
-    "full"). ``source`` names the paper and the algorithm. ``Method.protocol_departures`` compares
-    them with what a run does; each departure becomes a caveat line in the report and its tables.
-    """
+    """What a method's own paper assumes of the protocol it runs under, declared in the method's file:
+    ``local_optimizer`` ("sgd", "adam", "adamw" or "any"), ``weighting`` of returned participants
+    ("sample_mass", "uniform", "adaptive" or "any"), ``participation`` ("any": full or sampled, "full").
+    ``Method.protocol_departures`` compares them with the run; each departure is a report caveat."""
 
     source: str
     local_optimizer: str = "any"

@@ -148,9 +148,8 @@ class StackedAdamW:
 
 
 class StackedSGD:
-    """torch.optim.SGD (no momentum, no dampening, nesterov off) over member-stacked tensors:
-    p <- p - lr (g + wd p) for the members in ``mask``. It keeps no state, so a kept reading has
-    nothing to keep (``member_state`` is empty, as torch's SGD holds none without momentum)."""
+    """torch.optim.SGD without momentum over member-stacked tensors: p <- p - lr (g + wd p) for the
+    members in ``mask``; stateless, as torch's SGD without momentum (a kept reading keeps nothing)."""
 
     def __init__(self, params: dict[str, torch.Tensor], lr: float, weight_decay: float) -> None:
         self.params, self.lr, self.weight_decay = params, lr, weight_decay
