@@ -9,7 +9,7 @@ micro-batch step runs ONE forward/backward of the frozen encoder over all active
   as batched matmuls over (member, rows) groups (``lora_members``);
 - residual adapter, FiLM and classifier: the model's own modules (``FedHistoModel.head``) called with
   each group's member tensors (``member_heads``, by ``torch.func.functional_call``);
-- feature restyling (FedStain's MixStyle) is applied to each member's rows with that member's random
+- a method's feature restyling (e.g. MixStyle) is applied to each member's rows with that member's random
   stream (``Method.restyle``);
 - loss terms per member come from the method's own ``batch_inputs`` / ``terms_from_outputs``, so
   the objective is the sequential one; the members' losses are summed (their gradients do not mix);
@@ -391,7 +391,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 due = [m in active and steps_now(b, len(batches[m]), plan.accumulation) for m in range(n_members)]
                 if any(due):
                     mask = torch.tensor(due, device=device)
-                    if plan.grad_clip is not None:  # the method's schedule says (SCAFFOLD's SGD steps: none)
+                    if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
                         clip_per_member(params, plan.grad_clip, mask)
                     opt.step(mask)
                     opt.zero_grad(mask)

@@ -59,7 +59,7 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
                 terms = method.batch_terms(run, batch_of(job, plan, epoch, b, idx, device))
                 (sum(terms.values()) / plan.accumulation).backward()
                 if steps_now(b, len(batches), plan.accumulation):
-                    if plan.grad_clip is not None:  # the method's schedule says (SCAFFOLD's SGD steps: none)
+                    if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
                         torch.nn.utils.clip_grad_norm_(params.values(), plan.grad_clip)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
