@@ -5,7 +5,7 @@ Standalone: ``python scripts/report.py --config config/config.yaml`` after the m
 
 from pathlib import Path
 
-from fedhisto.caveats import run_caveats
+from fedhisto.caveats import method_caveats, run_caveats
 from fedhisto.entry import from_argv, from_snakemake, log_of
 from fedhisto.warm import call
 
@@ -17,7 +17,8 @@ if "snakemake" in globals():
         external.setdefault(method, []).append(path)
     call("fedhisto.report:run_report", smk.input.metrics, list(smk.input.bootstrap), smk.input.communication,
          external, Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent,
-         bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg), log_path=log_of(smk))
+         bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg), method_caveats=method_caveats(cfg),
+         log_path=log_of(smk))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
     from fedhisto.report import run_report
@@ -30,4 +31,4 @@ elif __name__ == "__main__":
     run_report("results/metrics/metrics.json", [f"results/bootstrap/{n}.json" for n in names],
                "results/accounting/communication.csv", external, "results/tables", "results/figures", "results/manifest",
                bootstrap=config.bootstrap.model_dump(include={"seed", "resamples", "confidence"}),
-               caveats=run_caveats(config))
+               caveats=run_caveats(config), method_caveats=method_caveats(config))

@@ -85,7 +85,8 @@ def round_inputs(name: str, train: dict | None = None):
     ("fedstain", {"fedstain": {"protocol": "paper", "paper_batch": 4}})], ids=[*method_names(), "fedstain-paper"])
 def test_batched_round_ends_in_the_sequential_state(name: str, train: dict | None):
     cfg, method, model, device, jobs = round_inputs(name, train)
-    assert method.local_schedule(ROUND).optimizer == ("adam" if train else "adamw")
+    # each method's own local optimiser: SCAFFOLD's plain SGD (its paper's), FedStain-paper's Adam, else AdamW
+    assert method.local_schedule(ROUND).optimizer == ("adam" if train else "sgd" if name == "scaffold" else "adamw")
     sequential = [local_train(method, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
                               j.round_idx, j.client_idx, device) for j in jobs]
     batched = batched_local_train(method, model, jobs, cfg, device)

@@ -3,6 +3,7 @@ in every bootstrap JSON, and Tables 6 / 7 split by that flag with bounded p prin
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -142,3 +143,36 @@ def test_tables_6_and_7_split_by_the_flag_and_print_bounded_p(predictions):
         assert "Note: CAVEAT: tiny encoder on real images" in (predictions / f"tables2/{name}.md").read_text()
     assert (predictions / "tables2/table4_internal.csv").read_text() == \
         (predictions / "tables/table4_internal.csv").read_text()  # the numbers are untouched
+
+
+def test_a_comparator_that_departs_from_its_paper_is_marked_in_every_row_and_under_every_table(predictions):
+    """``method_caveats`` (``fedhisto.caveats.method_caveats``): the marked method's rows and every
+    comparison with it carry the line in a ``caveat`` column, and a note under each table says it is no
+    finding; unmarked rows keep an empty cell and the numbers are untouched."""
+    from fedhisto.report import run_report
+
+    cfg = load_config(CFG)
+    _run(cfg, "v2_vs_fedavg")
+    paths = ["results/bootstrap/v2_vs_fedavg.json"]
+    ens = classification_metrics(GOOD, Y)
+    summaries = [{"method": m, "finalised_seeds": "11", "failed_seeds": "", **{
+        f"test_{k}_mean": 1.0 for k in ("macro_f1", "balanced_accuracy", "accuracy", "macro_auroc", "ece")},
+        "test_macro_f1_sd": "", "worst_client_macro_f1_mean": 1.0, "worst_client_macro_f1_sd": ""}
+        for m in ("past_v2", "fedavg_peft")]
+    (predictions / "metrics.json").write_text(json.dumps({"ensembles": {"past_v2": ens, "fedavg_peft": ens},
+                                                          "summary": summaries}))
+    (predictions / "communication.csv").write_text("method,mib_per_round\npast_v2,41.6\nfedavg_peft,37.7\n")
+    files = comparison_files(cfg, "v2_vs_fedavg")
+    line = "fedavg_peft: local steps are adamw (lr 0.0001); Some et al. (Algorithm 1) assumes sgd"
+    run_report("metrics.json", paths, "communication.csv",
+               {"past_v2": files["method"][1], "fedavg_peft": files["reference"][1]}, "marked", "figures3",
+               method_caveats={"fedavg_peft": [line]})
+    note = f"Note: CAVEAT: {line} (not a finding about the method as its paper runs it)"
+    for name in ("table4_internal", "table5_external", "table6_bootstrap", "table8_communication"):
+        with (predictions / f"marked/{name}.csv").open() as fh:
+            rows = list(csv.DictReader(fh))
+        marked = [r for r in rows if "fedavg_peft" in (r.get("method"), r.get("reference"), r.get("comparison"))
+                  or r.get("comparison") == "v2_vs_fedavg"]
+        assert marked and all(r["caveat"] == line for r in marked), name
+        assert all(r["caveat"] == "" for r in rows if r not in marked), name
+        assert note in (predictions / f"marked/{name}.md").read_text(), name

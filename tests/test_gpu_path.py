@@ -43,6 +43,10 @@ from fedhisto.train.plan import MemberJob, local_run
 
 BF16_BOUND = 0.15
 BF16_FLOOR = 0.01
+# Plain SGD (SCAFFOLD's local steps) moves by lr * g, linear in the gradient, so bf16's rounding stays at its
+# own relative size in the update (measured 0.8 % on this round) where Adam's normalisation amplifies it
+# in the small-gradient coordinates; a floor of 0.2 % still tells bf16 from float32 (which gives 0 exactly).
+BF16_FLOOR_SGD = 0.002
 
 
 def _norm(state: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> float:
@@ -69,7 +73,8 @@ def test_a_bf16_round_stays_finite_and_close_to_float32(name: str, engine: str):
         assert all(np.isfinite(v) for v in b.losses.values()), (name, b.losses)
         update, gap = _norm(f.state, j.start_state), _norm(f.state, b.state)
         assert update > 0
-        assert BF16_FLOOR * update < gap < BF16_BOUND * update, (name, gap / update)
+        floor = BF16_FLOOR_SGD if build_method(name, load_config({})).local_schedule(0).optimizer == "sgd" else BF16_FLOOR
+        assert floor * update < gap < BF16_BOUND * update, (name, gap / update)
         assert b.losses.keys() == f.losses.keys()
         for k in f.losses:
             assert b.losses[k] == pytest.approx(f.losses[k], rel=0.03, abs=1e-3), (name, k)

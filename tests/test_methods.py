@@ -187,12 +187,31 @@ def test_fedstain_paper_protocol_switches_optimiser_epochs_batch_and_lr_schedule
     from fedhisto.methods.base import LocalSchedule
 
     study = build_method("fedstain", load_config({}))
-    assert study.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1)  # the study's, as every method
+    assert study.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1, 5.0)  # the study's, as every method
     paper = build_method("fedstain", load_config({"train": {"max_rounds": 5, "fedstain": {"protocol": "paper"}}}))
-    assert paper.local_schedule(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1)
+    assert paper.local_schedule(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1, 5.0)
     assert paper.local_schedule(4).lr == pytest.approx(2.5e-6) and paper.local_schedule(2).lr == pytest.approx(5.125e-5)
     cfg = load_config({**ONE_ROUND, "train": {**ONE_ROUND["train"],
                                               "fedstain": {"protocol": "paper", "paper_local_epochs": 1}}})
     train(prepared, "fedstain", tmp_path / "paper", cfg=cfg)
     (row,) = history_rows(tmp_path / "paper")
     assert all(set(t) == {"ce", "supcon", "js"} for t in json.loads(row["losses"]).values())
+
+
+# ------------------------------------------------ comparators declare their papers' assumptions
+def test_comparators_under_the_studys_adamw_are_marked_and_under_their_own_optimiser_are_not():
+    """FedAdam's Algorithm 2 and FedStain's paper train their clients with SGD and Adam; under the study's
+    AdamW protocol the report marks them, under FedStain's own protocol nothing is marked. The study's
+    arms and the references declare nothing (their protocol is the study's)."""
+    from fedhisto.caveats import method_caveats
+
+    cfg = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "fedadam", "fedstain", "fedstain_code",
+                                             "local_only", "pooled", "scaffold"]}})
+    marks = method_caveats(cfg)
+    assert sorted(marks) == ["fedadam", "fedstain", "fedstain_code"]
+    assert marks["fedadam"] == ["fedadam: local steps are adamw (lr 0.0001); Reddi et al. 2021 (Algorithm 2) assumes sgd"]
+    assert marks["fedstain"] == ["fedstain: local steps are adamw (lr 0.0001); FedStain (its paper's Tables I-II and "
+                                 "code) assumes adam"]
+    paper = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "fedstain"],
+                                   "fedstain": {"protocol": "paper"}}})
+    assert method_caveats(paper) == {}

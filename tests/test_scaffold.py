@@ -1,6 +1,8 @@
-"""SCAFFOLD (methods.scaffold): option II's variates and the model step by hand, the local correction's
-gradient under accumulation, the sign alignment of delta-SVD's factors, both engines with non-zero
-variates, resume after a kill, and its Table 8 row."""
+"""SCAFFOLD (methods.scaffold): option II's variates and the model step by hand, the paper's client-drift
+toy (SCAFFOLD reaches the global optimum, FedAvg's drift does not), plain SGD local steps in both engines,
+the local correction's gradient under accumulation, the LoRA variates' exact transport through the
+refactorisation, both engines with non-zero variates, resume after a kill, its declared assumptions
+and the report's caveat for a departure, and its Table 8 row."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from test_batched import ATOL, round_inputs, split
 from fedhisto.config import load_config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Batch, RoundUpdate
-from fedhisto.methods.scaffold import align_factor_signs
+from fedhisto.methods.scaffold import rebalance, transport
 from fedhisto.train.batched import MemberJob, batched_local_train
 from fedhisto.train.local import local_train
 
@@ -28,8 +30,8 @@ def t(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-def scaffold(lr: float = 0.1, **settings):
-    return build_method("scaffold", load_config({"train": {"lr": lr, "scaffold": settings}}))
+def scaffold(local_lr: float = 0.1, name: str = "scaffold", **settings):
+    return build_method(name, load_config({"train": {"scaffold": {"local_lr": local_lr, **settings}}}))
 
 
 def test_option_ii_variates_and_model_step_by_hand():
@@ -70,6 +72,16 @@ def test_option_ii_variates_and_model_step_by_hand():
     assert torch.equal(state2["clients"]["C2"]["p"], state["clients"]["C2"]["p"])  # B did not return: kept
 
 
+def test_a_diverged_participant_is_refused_by_name_and_learning_rate():
+    method = scaffold(local_lr=0.3)
+    x = {"p": t(1.0, 2.0)}
+    update = RoundUpdate(2, {"C1": x, "C2": {"p": t(1.0, float("nan"))}}, {"C1": x, "C2": x}, {"C1": 1, "C2": 1},
+                         {"C1": 1, "C2": 1}, {"C1": 0.5, "C2": 0.5}, None)
+    with pytest.raises(ValueError, match=r"participant C2's state after round 3 is not finite \(p, 1 tensor\(s\)\): "
+                                         r"its SGD local steps diverged; lower train.scaffold.local_lr \(0.3\)"):
+        method.aggregate_train(update, SimpleNamespace(lora_scaling=1.0))
+
+
 def test_a_participant_without_steps_is_refused_by_name():
     method = scaffold()
     x = {"p": t(1.0, 2.0)}
@@ -108,18 +120,149 @@ def test_round_one_has_no_correction_and_scale_zero_switches_it_off():
     assert method.settings.correction_scale == 0.0
 
 
-def test_factor_signs_follow_the_start_and_keep_the_model():
-    g = torch.Generator().manual_seed(3)
-    ref = {"m.lora_A.default.weight": torch.randn(3, 5, generator=g, dtype=torch.float64),
-           "m.lora_B.default.weight": torch.randn(4, 3, generator=g, dtype=torch.float64), "head": t(1.0)}
-    flip = t(-1.0, 1.0, -1.0)
-    new = {"m.lora_A.default.weight": ref["m.lora_A.default.weight"] * flip[:, None] + 0.01,
-           "m.lora_B.default.weight": ref["m.lora_B.default.weight"] * flip[None, :], "head": t(2.0)}
-    out = align_factor_signs(new, ref)
-    a, b = out["m.lora_A.default.weight"], out["m.lora_B.default.weight"]
-    assert torch.equal(b @ a, new["m.lora_B.default.weight"] @ new["m.lora_A.default.weight"])  # model unchanged
-    torch.testing.assert_close(a, ref["m.lora_A.default.weight"] + 0.01 * flip[:, None], rtol=0, atol=F64)
-    assert torch.equal(out["head"], new["head"])
+A_KEY, B_KEY = "m.lora_A.default.weight", "m.lora_B.default.weight"
+
+
+def test_rebalance_is_an_exact_change_of_basis_and_the_transported_correction_moves_sBA_as_before():
+    """Unbalanced factors (B 6 x 3, A 3 x 5, s = 2) of a mean: the balanced split keeps s B A, is delta-SVD's
+    (B'^T B' = A' A'^T = diag(S / s)), and B' = B M, A' = M^-1 A. A local step moves the factors by
+    -eta D (D = c - c_i); to first order s B A moves by -eta s (D_B A + B D_A). With D transported
+    (D_B M, M^-1 D_A) the move on the new factors is the same matrix: the correction acts on the model's
+    function as before the refactorisation (float64: agreement to a few ulps of O(10) numbers)."""
+    g = torch.Generator().manual_seed(5)
+    s = 2.0
+    b = torch.randn(6, 3, generator=g, dtype=torch.float64) * torch.tensor([5.0, 0.2, 1.0], dtype=torch.float64)
+    a = torch.randn(3, 5, generator=g, dtype=torch.float64) * torch.tensor([[0.1], [3.0], [1.0]], dtype=torch.float64)
+    a2, b2, m, m_inv = rebalance(a, b, s)
+    torch.testing.assert_close(s * b2 @ a2, s * b @ a, rtol=0, atol=1e-12)
+    torch.testing.assert_close(b2, b @ m, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a2, m_inv @ a, rtol=0, atol=1e-12)
+    torch.testing.assert_close(m @ m_inv, torch.eye(3, dtype=torch.float64), rtol=0, atol=1e-12)
+    gram = b2.T @ b2
+    torch.testing.assert_close(gram, a2 @ a2.T, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gram, torch.diag(torch.diagonal(gram)), rtol=0, atol=1e-12)  # diag(S / s)
+    assert float((b.T @ b - a @ a.T).abs().max()) > 1.0  # the input was far from balanced: M is no rotation
+    correction = {A_KEY: torch.randn(3, 5, generator=g, dtype=torch.float64),
+                  B_KEY: torch.randn(6, 3, generator=g, dtype=torch.float64)}
+    before = s * (correction[B_KEY] @ a + b @ correction[A_KEY])
+    transport(correction, A_KEY, B_KEY, m, m_inv)
+    after = s * (correction[B_KEY] @ a2 + b2 @ correction[A_KEY])
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-11)
+    assert float(before.abs().max()) > 1.0
+
+
+def test_the_model_step_is_the_factor_mean_rebalanced_with_every_variate_transported():
+    """Two clients' factors from a common start: the new global s B A is s B_mean A_mean (Algorithm 1's
+    mean in the trained parameters, not delta-SVD's mean of products), and c and every c_i are in the new
+    basis: transporting back (c_B M^-1, M c_A) recovers the variates computed in the start basis."""
+    g = torch.Generator().manual_seed(9)
+    method = scaffold(local_lr=0.5)
+    start = {A_KEY: torch.randn(2, 4, generator=g, dtype=torch.float64),
+             B_KEY: torch.randn(3, 2, generator=g, dtype=torch.float64), "head": t(0.0)}
+    ys = {n: {k: v + 0.3 * torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in start.items()}
+          for n in ("C1", "C2")}
+    method.configure_train(0, None, dict.fromkeys(ys))
+    update = RoundUpdate(0, ys, dict.fromkeys(ys, start), {"C1": 10, "C2": 30}, {"C1": 2, "C2": 4},
+                         dict(zip(ys, method.client_weights([10, 30], [None, None]), strict=True)), None)
+    assert update.weights == {"C1": 0.5, "C2": 0.5}  # uniform: the paper's 1/|S|
+    members, state = method.aggregate_train(update, SimpleNamespace(lora_scaling=1.5))
+    mean = {k: (ys["C1"][k] + ys["C2"][k]) / 2 for k in start}
+    new = members[GLOBAL]
+    torch.testing.assert_close(1.5 * new[B_KEY] @ new[A_KEY], 1.5 * mean[B_KEY] @ mean[A_KEY], rtol=0, atol=1e-12)
+    torch.testing.assert_close(new["head"], mean["head"], rtol=0, atol=F64)
+    _, _, m, m_inv = rebalance(mean[A_KEY], mean[B_KEY], 1.5)
+    for n, k_steps in (("C1", 2), ("C2", 4)):
+        in_start_basis = {k: (start[k] - ys[n][k]) / (k_steps * 0.5) for k in start}  # option II, c = c_i = 0
+        back = state["clients"][n]
+        torch.testing.assert_close(m @ back[A_KEY], in_start_basis[A_KEY], rtol=0, atol=1e-11)
+        torch.testing.assert_close(back[B_KEY] @ m_inv, in_start_basis[B_KEY], rtol=0, atol=1e-11)
+        torch.testing.assert_close(back["head"], in_start_basis["head"], rtol=0, atol=F64)
+
+
+def _drift_toy(correction_scale: float, rounds: int) -> float:
+    """Karimireddy et al.'s client drift on two quadratics, f_i(x) = h_i (x - o_i)^2 / 2 with
+    (h, o) = (1, 0) and (3, 4): the global optimum of (f_1 + f_2) / 2 is (1 * 0 + 3 * 4) / (1 + 3) = 3.
+    Each round every client takes K = 10 local steps of the method's own schedule (plain SGD,
+    eta_l = 0.1) on f_i plus the method's correction term (``extra_terms``), and the server runs the
+    method's ``client_weights`` and ``aggregate_train``. Returns the final global x."""
+    method = scaffold(local_lr=0.1, correction_scale=correction_scale)
+    plan = method.local_schedule(0)
+    assert (plan.optimizer, plan.lr, plan.weight_decay, plan.grad_clip) == ("sgd", 0.1, 0.0, None)
+    from fedhisto.train.local import OPTIMIZERS
+
+    sites, steps = {"C1": (1.0, 0.0), "C2": (3.0, 4.0)}, 10
+    x, server_state = {"p": t(0.0)}, None
+    for r in range(rounds):
+        payloads = method.configure_train(r, server_state, dict.fromkeys(sites))
+        trained = {}
+        for name, (h, o) in sites.items():
+            theta = torch.nn.Parameter(x["p"].clone())
+            run = SimpleNamespace(payload=payloads[name], device=torch.device("cpu"), scratch={}, params={"p": theta},
+                                  start_state={"p": x["p"].clone()}, data=[None] * steps, nominal_batch=1, round_idx=r)
+            opt = OPTIMIZERS[plan.optimizer]([theta], lr=plan.lr, weight_decay=plan.weight_decay)
+            with method.local_session(run):
+                for b in range(steps):
+                    opt.zero_grad()
+                    loss = 0.5 * h * ((theta - o) ** 2).sum()
+                    (loss + method.extra_terms(run, Batch(None, None, 0, 0, b), [], [])["scaffold"]).backward()
+                    opt.step()
+            trained[name] = {"p": theta.detach().clone()}
+        names = sorted(trained)
+        weights = dict(zip(names, method.client_weights([10, 10], [None, None]), strict=True))
+        update = RoundUpdate(r, trained, dict.fromkeys(names, x), dict.fromkeys(names, 10), dict.fromkeys(names, steps),
+                             weights, server_state)
+        members, server_state = method.aggregate_train(update, SimpleNamespace(lora_scaling=1.0))
+        x = members[GLOBAL]
+    return float(x["p"])
+
+
+def test_client_drift_toy_scaffold_reaches_the_global_optimum_and_fedavg_does_not():
+    """FedAvg (the correction off) stops at its drifted fixed point x = 4 (1 - 0.7^10) / (2 - 0.9^10 - 0.7^10)
+    = 2.39491...: each client's 10 steps shrink x - o_i by (1 - eta h_i)^10, 0.9^10 and 0.7^10, and the mean
+    of the two is stationary there. SCAFFOLD's option II variates cancel the drift: x -> 3 (linearly; 200
+    rounds put it within float64 rounding, far inside 1e-6)."""
+    fedavg = _drift_toy(0.0, 200)
+    drifted = 4 * (1 - 0.7 ** 10) / (2 - 0.9 ** 10 - 0.7 ** 10)
+    assert fedavg == pytest.approx(drifted, abs=1e-9)
+    assert abs(fedavg - 3.0) > 0.6
+    assert abs(_drift_toy(1.0, 200) - 3.0) < 1e-6
+
+
+def test_scaffold_declares_its_papers_protocol_and_the_adamw_reading_is_marked():
+    """``scaffold``: plain SGD with its own eta_l, no clipping, uniform weights: no departure. The study's
+    AdamW schedule is ``scaffold_adamw``, and sample-mass weights are marked too."""
+    method = scaffold(local_lr=0.05)
+    plan = method.local_schedule(3)
+    assert (plan.optimizer, plan.lr, plan.weight_decay, plan.grad_clip, plan.accumulation) == ("sgd", 0.05, 0.0, None, 1)
+    assert method.protocol_departures() == []
+    assert method.client_weights([10, 30, 60], [None] * 3) == [1 / 3] * 3
+    adamw = scaffold(name="scaffold_adamw")
+    assert adamw.local_schedule(0).optimizer == "adamw" and adamw.local_schedule(0).grad_clip == 5.0
+    lines = adamw.protocol_departures()
+    assert len(lines) == 2 and lines[0].startswith("scaffold_adamw: local steps are adamw (lr 0.0001); "
+                                                   "Karimireddy et al. 2020 (SCAFFOLD, Algorithm 1) assumes sgd")
+    assert "clipped to norm 5" in lines[1]
+    weighted = scaffold(weighting="sample_mass")
+    assert weighted.client_weights([10, 30], [None] * 2) == [0.25, 0.75]
+    assert weighted.protocol_departures() == ["scaffold: participants weighted by sample_mass; Karimireddy et al. "
+                                              "2020 (SCAFFOLD, Algorithm 1) assumes uniform"]
+    assert build_method("fedavg_peft", load_config({})).protocol_departures() == []
+
+
+def test_the_report_marks_every_row_of_a_departing_method_and_its_comparisons():
+    from fedhisto.caveats import method_caveats
+    from fedhisto.report import marked, method_notes
+
+    cfg = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "scaffold", "scaffold_adamw"]}})
+    marks = method_caveats(cfg)
+    assert sorted(marks) == ["scaffold_adamw"]  # scaffold runs under its paper's assumptions
+    row = marked({"comparison": "v2_vs_x", "difference": 0.28}, marks, "past_v2", "scaffold_adamw")
+    assert row["caveat"].startswith("scaffold_adamw: local steps are adamw")
+    assert "caveat" not in marked({"method": "scaffold"}, marks, "scaffold")
+    assert method_notes(marks, ["past_v2"]) == []
+    assert all(n.startswith("CAVEAT: scaffold_adamw: ") and n.endswith("(not a finding about the method as its "
+                                                                          "paper runs it)")
+               for n in method_notes(marks, ["scaffold_adamw", "past_v2"]))
 
 
 def test_both_engines_apply_the_same_correction():

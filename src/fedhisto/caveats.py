@@ -1,4 +1,12 @@
-"""Loud warnings for settings that make a real-data run say little (issue 21, item 7).
+"""Loud warnings for settings that make a run say less than its tables suggest.
+
+Two kinds. :func:`method_caveats`: a comparator that runs under a protocol its own paper does not
+assume (each method declares its paper's assumptions in its own file, ``Method.assumptions``, and says
+where a run departs, ``Method.protocol_departures``); the report prints each departure under its
+tables and in the ``caveat`` column of every row of that method, and a paired comparison with a marked
+arm carries the line too, so it is not read as a finding about the method its name says.
+
+:func:`run_caveats`: settings that make a real-data run say little.
 
 Tried as a new user would, the embedded default on real LC25000 families (``cohort.mode: real``)
 sits at validation macro-F1 0.556 (one class never predicted) for most runs, which then early-stop
@@ -51,6 +59,18 @@ def run_caveats(cfg: Config) -> list[str]:
                    f"{STUDY_MAX_ROUNDS} / {STUDY_PATIENCE} (the embedded default's short schedule): on real images "
                    "runs early-stop before the classifier has learnt every class; set train.max_rounds: 50 and "
                    "train.patience: 10")
+    return out
+
+
+def method_caveats(cfg: Config) -> dict[str, list[str]]:
+    """``{method: [departure, ...]}`` for every method the config trains that departs from its own paper's
+    assumptions (methods without a departure are absent). Builds each method (imports it)."""
+    from fedhisto.methods import build_method
+
+    out = {}
+    for name in dict.fromkeys(m for m, _ in cfg.train_runs()):
+        if lines := build_method(name, cfg).protocol_departures():
+            out[name] = lines
     return out
 
 

@@ -227,9 +227,13 @@ register("fedstain_code", "fedhisto.methods.fedstain_code:FedStainCode", "fedsta
 # References every federated method is measured against (FLamby reports both).
 register("local_only", "fedhisto.methods.local_only:LocalOnly", comparison="v2_vs_local")  # does federation help?
 register("pooled", "fedhisto.methods.pooled:Pooled", comparison="v2_vs_pooled")  # the centralised reference
-# SCAFFOLD (Karimireddy et al. 2020, option II) on fedavg_peft's model: control variates correct client drift.
+# SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II) on fedavg_peft's model, as its paper runs it (plain
+# SGD local steps, uniform weights): control variates correct client drift.
 register("scaffold", "fedhisto.methods.scaffold:Scaffold", "scaffold", settings="fedhisto.methods.scaffold:ScaffoldConfig",
          comparison="v2_vs_scaffold")
+# The same variates after the study's AdamW local steps: a reading, not SCAFFOLD (marked in the report).
+register("scaffold_adamw", "fedhisto.methods.scaffold:Scaffold", "scaffold",
+         settings="fedhisto.methods.scaffold:ScaffoldConfig", local_optimizer="adamw")
 # FedAdam (Reddi et al. 2021; FedYogi/FedAdagrad via train.fedadam.variant): a server optimiser on the pseudo-gradient.
 register("fedadam", "fedhisto.methods.fedadam:FedAdam", "fedadam", settings="fedhisto.methods.fedadam:FedAdamConfig",
          comparison="v2_vs_fedadam")

@@ -48,14 +48,31 @@ def privacy_columns(summary_row: dict) -> dict:
     return {k: summary_row[k] for k in ("epsilon_max", "delta") if k in summary_row}
 
 
+def marked(row: dict, caveats: dict[str, list[str]], *methods: str) -> dict:
+    """``row`` with a ``caveat`` column when one of ``methods`` departs from its paper's assumptions
+    (:func:`fedhisto.caveats.method_caveats`); unmarked rows keep their columns."""
+    lines = [line for m in dict.fromkeys(methods) for line in caveats.get(m, [])]
+    return {**row, "caveat": "; ".join(lines)} if lines else row
+
+
+def method_notes(caveats: dict[str, list[str]], methods) -> list[str]:
+    """A CAVEAT note per departure of a method in the table."""
+    return [f"CAVEAT: {line} (not a finding about the method as its paper runs it)"
+            for m in sorted(set(methods)) for line in caveats.get(m, [])]
+
+
 def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], communication_csv: str | Path,
                external_predictions: dict[str, list[str]], tables_dir: str | Path, figures_dir: str | Path,
                manifest_dir: str | Path | None = None, bootstrap: dict | None = None,
-               caveats: list[str] = ()) -> None:
+               caveats: list[str] = (), method_caveats: dict[str, list[str]] | None = None) -> None:
     """``bootstrap``: ``seed``, ``resamples``, ``confidence`` of the figures' intervals (the
     ``bootstrap`` config block; missing keys take its defaults). Tables do not depend on it.
     ``caveats``: :func:`fedhisto.caveats.run_caveats` of the run's config, printed as
-    ``CAVEAT`` notes under Tables 4 and 5 (none on the synthetic cohort: those tables as before)."""
+    ``CAVEAT`` notes under Tables 4 and 5 (none on the synthetic cohort: those tables as before).
+    ``method_caveats``: :func:`fedhisto.caveats.method_caveats`, each method's departures from its own
+    paper's assumptions: a ``caveat`` column on every row of a marked method (and of every comparison
+    with a marked arm) and a note under each table."""
+    marks = method_caveats or {}
     warned = [f"CAVEAT: {c}" for c in caveats]
     m = json.loads(Path(metrics_json).read_text())
     tables, figures = Path(tables_dir), Path(figures_dir)
@@ -71,8 +88,9 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "worst_client_macro_f1_sd": row["worst_client_macro_f1_sd"],
                    "unavailable_client_rounds": row.get("unavailable_client_rounds", 0),
                    **privacy_columns(row)})
+    t4 = [marked(r, marks, r["method"]) for r in t4]
     write_table(tables / "table4_internal", t4, "Table 4: internal global test (finalised seeds, mean and sample SD)",
-                warned)
+                warned + method_notes(marks, [r["method"] for r in t4]))
     missed = {r["method"]: r.get("unavailable_client_rounds", 0) for r in m["summary"]}
     dp = {r["method"]: privacy_columns(r) for r in m["summary"]}
     t5 = []
@@ -81,7 +99,9 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "accuracy": e["accuracy"], **{f"recall_{c}": e["per_class"][c]["recall"] for c in CLASSES},
                    "nll": e["nll"], "brier": e["brier"], "ece": e["ece"],
                    "unavailable_client_rounds": missed.get(method, 0), **dp.get(method, {})})
-    write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles", warned)
+    t5 = [marked(r, marks, r["method"]) for r in t5]
+    write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles",
+                warned + method_notes(marks, [r["method"] for r in t5]))
     boots = [json.loads(Path(p).read_text()) for p in bootstrap_jsons]
     for path, b in zip(bootstrap_jsons, boots, strict=True):
         if "ablation" not in b:
@@ -101,14 +121,19 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                     v = metrics[metric]
                     # no replicate crossed 0: p is an upper bound, printed as the study does ("< 0.0002")
                     p_text = f"< {v['p_two_sided']:g}" if v["p_is_upper_bound"] else v["p_two_sided"]
-                    rows.append({"comparison": b["comparison"], **seeds, "metric": metric, "unit": unit,
-                                 "method": v["method"], "reference": v["reference"], "difference": v["difference"],
-                                 "ci_low": v["ci_low"], "ci_high": v["ci_high"], "p_two_sided": p_text,
-                                 "p_delta_positive": v["p_delta_positive"], "n_resamples": v["n_resamples"]})
+                    rows.append(marked({"comparison": b["comparison"], **seeds, "metric": metric, "unit": unit,
+                                        "method": v["method"], "reference": v["reference"],
+                                        "difference": v["difference"], "ci_low": v["ci_low"], "ci_high": v["ci_high"],
+                                        "p_two_sided": p_text, "p_delta_positive": v["p_delta_positive"],
+                                        "n_resamples": v["n_resamples"]},
+                                       marks, b["method"], b["reference"]))
         involved = {x for b in boots if b["ablation"] == ablation for x in (b["method"], b["reference"])}
-        write_table(tables / name, rows, title, unavailability_notes(m["summary"], involved))
+        write_table(tables / name, rows, title,
+                    unavailability_notes(m["summary"], involved) + method_notes(marks, involved))
     with Path(communication_csv).open() as fh:
-        write_table(tables / "table8_communication", list(csv.DictReader(fh)), "Table 8: parameters and communication")
+        t8 = [marked(r, marks, r["method"]) for r in csv.DictReader(fh)]
+    write_table(tables / "table8_communication", t8, "Table 8: parameters and communication",
+                method_notes(marks, [r["method"] for r in t8]))
 
     interval = {**FIGURE_BOOTSTRAP_DEFAULTS, **(bootstrap or {})}
     write_figures(m, boots, external_predictions, figures, **interval)

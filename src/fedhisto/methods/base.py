@@ -96,12 +96,27 @@ class RoundUpdate:
 class LocalSchedule:
     """How a participant optimises in one round: the engine builds its optimiser and batches from this."""
 
-    optimizer: str          # "adamw" (the study) or "adam"
+    optimizer: str          # "adamw" (the study), "adam", or "sgd" (plain SGD: no momentum; SCAFFOLD's Algorithm 1)
     lr: float
     weight_decay: float
     epochs: int
     micro_batch: int
     accumulation: int
+    grad_clip: float | None = None  # gradient-norm clipping per optimiser step (None: none)
+
+
+@dataclass(frozen=True)
+class PaperAssumptions:
+    """What a method's own paper assumes of the protocol it runs under, declared in the method's file:
+    ``local_optimizer`` ("sgd", "adam", "adamw" or "any"), ``weighting`` of returned participants
+    ("sample_mass", "uniform", "adaptive" or "any"), ``participation`` ("any": full or sampled, "full").
+    ``Method.protocol_departures`` compares them with the run; each departure is a report caveat."""
+
+    source: str
+    local_optimizer: str = "any"
+    weighting: str = "any"
+    participation: str = "any"
+    clipping: bool = True   # the paper's local steps tolerate gradient-norm clipping
 
 
 @dataclass
@@ -175,6 +190,9 @@ class Method:
     exchanges_model: bool = True    # the trainable state travels down and up every round (Table 8)
     pre_uploads: bool = False       # participants upload before training (``upload_before_training``)
     post_uploads: bool = False      # participants upload after aggregation (``upload_after_aggregation``)
+    # What the method's paper assumes (None: the method is the study's own, or a reference such as
+    # local_only / pooled whose protocol is the study's by definition); see ``protocol_departures``.
+    assumptions: PaperAssumptions | None = None
 
     def __init__(self, name: str, cfg: Config, config_key: str | None = None, **options: Any) -> None:
         if options:
@@ -216,7 +234,28 @@ class Method:
         micro-batches of 4 accumulated twice, single views in batches of 8."""
         t = self.cfg.train
         micro, accum = (t.paired_micro_batch, t.accumulation_steps) if self.paired_views else (t.single_view_batch, 1)
-        return LocalSchedule("adamw", t.lr, t.weight_decay, t.local_epochs, micro, accum)
+        return LocalSchedule("adamw", t.lr, t.weight_decay, t.local_epochs, micro, accum, t.grad_clip)
+
+    def weighting(self) -> str:
+        """The name of the server's weighting of returned participants (``client_weights``)."""
+        return "sample_mass"
+
+    def protocol_departures(self) -> list[str]:
+        """Where this run departs from what the method's paper assumes (``assumptions``), one sentence
+        each; empty when it runs under its own assumptions (or declares none)."""
+        a = self.assumptions
+        if a is None:
+            return []
+        plan, out = self.local_schedule(0), []
+        if a.local_optimizer not in ("any", plan.optimizer):
+            out.append(f"local steps are {plan.optimizer} (lr {plan.lr:g}); {a.source} assumes {a.local_optimizer}")
+        if a.weighting not in ("any", self.weighting()):
+            out.append(f"participants weighted by {self.weighting()}; {a.source} assumes {a.weighting}")
+        if a.participation not in ("any", "full"):  # the protocol asks every client every round
+            out.append(f"every client takes part in every round; {a.source} assumes {a.participation} participation")
+        if not a.clipping and plan.grad_clip is not None:
+            out.append(f"local gradients clipped to norm {plan.grad_clip:g}; {a.source} does not clip")
+        return [f"{self.name}: {d}" for d in out]
 
     # ----------------------------------------------------------- server half
     def start_state(self, members: dict[str, dict[str, torch.Tensor]], participant: str) -> dict[str, torch.Tensor]:

@@ -40,6 +40,7 @@ from fedhisto.methods.base import (
     LocalRun,
     LocalSchedule,
     Method,
+    PaperAssumptions,
     balanced_cross_entropy,
     named_rng,
 )
@@ -172,6 +173,10 @@ class FedStain(Method):
     rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Client: statistics of ceil(r n_i) images
     before training; L = CE + alpha L_RA + beta L_JS over four views per batch (eq. 6)."""
 
+    # its paper's Tables I-II and its authors' code train with Adam (no weight decay); ``protocol: study``
+    # (the default) trains with the study's AdamW and is marked as a departure in the report
+    assumptions = PaperAssumptions("FedStain (its paper's Tables I-II and code)", local_optimizer="adam")
+
     def local_schedule(self, round_idx: int) -> LocalSchedule:
         """``train.fedstain.protocol``: ``study`` trains like every other method here (the comparison
         isolates the method); ``paper`` uses FedStain's own settings (its Tables I-II and code): Adam
@@ -183,7 +188,7 @@ class FedStain(Method):
             return super().local_schedule(round_idx)
         span = max(self.cfg.train.max_rounds - 1, 1)
         lr = fs.paper_lr + (fs.paper_lr_end - fs.paper_lr) * min(round_idx, span) / span
-        return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1)
+        return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1, self.cfg.train.grad_clip)
 
     pre_uploads = True
 

@@ -1,8 +1,20 @@
 """SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for Federated
-Learning", Algorithm 1 with option II) on the study's PEFT model and protocol.
+Learning", Algorithm 1 with option II) on the study's PEFT model, as its paper runs it.
 
-Control variates over the whole trainable state (LoRA factors, residual adapter, classifier; the
-model has no FiLM, as ``fedavg_peft``): a server variate c and one client variate c_i per participant.
+What the paper assumes, and this method declares (``assumptions``; a run that departs from it gets a
+caveat line in the report and every table row, ``Method.protocol_departures``):
+
+- **local steps are plain SGD**, y_i <- y_i - eta_l (g_i(y_i) + c - c_i), without clipping or weight
+  decay. The method's schedule (``local_schedule``) asks the engines for exactly that, with its own
+  learning rate ``train.scaffold.local_lr`` (eta_l), not the study's AdamW; so option II's
+  (x - y_i) / (K eta_l) is the mean corrected gradient of the round, in gradient units. The study's
+  AdamW protocol is the registered method ``scaffold_adamw`` (a reading, not SCAFFOLD: after AdamW
+  steps (x - y_i) / (K eta_l) is Adam's preconditioned step, of order 1 per coordinate, not a
+  gradient, and c - c_i outweighs the data gradient; it is marked as a departure);
+- **uniform weights**: f = (1/N) sum_i f_i and the server's Delta x = (1/|S|) sum_i Delta y_i
+  (``train.scaffold.weighting: uniform``; ``sample_mass`` is the study's weighting, marked);
+- **any participation**: N counts every participant of the round, returned or not, as the paper's
+  sampled-client formula.
 
 Client, in every local step: the gradient becomes g + c - c_i. The engine owns the optimiser, so the
 correction enters as one more loss term, ``<c - c_i, theta - theta_start>`` summed over the trainable
@@ -10,49 +22,36 @@ tensors: its gradient with respect to theta is exactly c - c_i (the start state 
 term's value is the first-order drift and starts at 0). The engine divides every micro-batch's loss
 by the accumulation steps and steps after each group, so the term is scaled by
 accumulation / (micro-batches in this group): every optimiser step receives c - c_i exactly once,
-the last, shorter group of an epoch included. How it composes with the study's protocol:
-
-- gradient-norm clipping (``train.grad_clip``) acts on the corrected gradient g + c - c_i, as a
-  clipped SCAFFOLD-SGD would;
-- AdamW (``train.lr``, ``train.weight_decay``) receives g + c - c_i as its gradient; its decoupled
-  weight decay is not part of the gradient and is not corrected. The paper's option II recovers the
-  mean local gradient from (x - y_i) / (K eta_l) because its local steps are SGD steps; after AdamW
-  steps the same expression is the mean *preconditioned* step direction (Adam's m / sqrt(v), of order
-  1 per coordinate, plus weight decay), not a gradient. The variates therefore carry AdamW's update
-  units, and the correction c - c_i they produce can outweigh the data gradient from round 2 on.
-  This is the algorithm as the study's protocol runs it (every method uses the same AdamW schedule);
-  the paper's algorithm proper needs SGD local steps (an engine option, not available here).
-  Measured on the tests' small cohort (5 rounds, seed 11): ||c - c_i|| = 35-50 (0.3-0.4 per
-  coordinate, against ``grad_clip`` 5), the training CE rises from round 3 and validation macro-F1
-  stays at 0.45 while fedavg_peft reaches 0.75.
-
-``train.scaffold.variates: start_gradient`` [ours] keeps the variates in gradient units instead:
-each participant uploads, before training, the full-data gradient of its class-balanced CE at the
-start state x (evaluation views, no dropout; the ``upload_before_training`` hook), the server sets
-c_i = g_i(x) and c = (1/N) sum_i g_i(x) over this round's uploads, and sends c - c_i back. This is
-the paper's option I (c_i+ = g_i(x)) evaluated at the round's own start instead of carried over to
-the next round, so the correction g_i(y) - g_i(x) + g(x) is an estimate of the global gradient at y
-(SVRG-like) that AdamW and clipping can take as a gradient. It costs one extra forward/backward pass
-over the participant's data per round and needs no server state. Traffic: g_i up, c - c_i down: the
-same two state copies per participant and round.
+the last, shorter group of an epoch included.
 
 Server, option II, after round t with K_i = optimiser steps of participant i (``RoundUpdate.steps``)
 and eta_l the local learning rate of the round (``local_schedule(t).lr``):
     c_i+ = c_i - c + (x - y_i) / (K_i eta_l)           for every returned i
     c+   = c + (1 / N) sum over returned i of (c_i+ - c_i)
-N is every participant of the round (returned or not), as the paper's sampled-client formula.
-Variates start at 0; a participant never seen has c_i = 0.
+    x+   = x + eta_g sum_i a_i (y_i - x),  eta_g = 1   (a_i = 1/|S| under uniform weights)
+Variates start at 0; a participant never seen has c_i = 0. The model step is Algorithm 1's, in the
+parameters the clients train (the LoRA factors A, B, the adapter, the classifier): the mean of the
+returned factors, not delta-SVD's refactorised product, so the variates and the model live in the same
+coordinates.
 
-The model update is the study's delta-SVD aggregation of the returned states (``Method.aggregate_train``)
-with global step eta_g = 1: with every site in every round, eta_g = 1 makes the model step exactly
-the weighted average fedavg_peft takes, so SCAFFOLD differs from fedavg_peft only by its control
-variates (and eta_g != 1 would need the dense LoRA update FedAdam uses, ``methods.fedadam``). delta-SVD
-returns the new LoRA factors in the SVD basis of the aggregate, whose singular vectors have arbitrary
-signs; the variates of A and B live in the factors' coordinates, so each new component (row j of A,
-column j of B) is given the sign that agrees with the start factors. Flipping both keeps s B A, so
-the model is delta-SVD's exactly; only the coordinates the variates refer to stay put. (Components that
-swap order between rounds are not matched; on the study's data, singular values of the aggregate
-are well separated after the first rounds.)
+**LoRA pairs keep their variates meaningful.** A pair's factors have a gauge: (B M, M^-1 A) is the same
+s B A for any invertible r x r M. The factor mean drifts away from the balanced split delta-SVD gives
+every other method (B^T B = A A^T = S / s), so each pair is refactorised to that split, which is an exact
+change of basis of the same product: with B = Q_B R_B, A^T = Q_A R_A and s R_B R_A^T = U S V^T,
+    B' = Q_B U sqrt(S / s) = B M,   A' = sqrt(S / s) V^T Q_A^T = M^-1 A,   M = R_B^-1 U sqrt(S / s)
+(``rebalance``). Every variate of the pair is transported with it, c_B' = c_B M and c_A' = M^-1 c_A
+(``transport``): a local step moves the factors by -eta_l (c - c_i) and, to first order, s B A by
+-eta_l s (D_B A + B D_A) with D = c - c_i; after the change of basis that effect is unchanged exactly
+(D_B M M^-1 A + B M M^-1 D_A), so the correction acts on the model's function as it did before the
+refactorisation. A pair whose factor mean is rank-deficient (a factor still at 0) is left as it is.
+
+``train.scaffold.variates: start_gradient`` [ours] keeps the variates in gradient units by another
+route: each participant uploads, before training, the full-data gradient of its class-balanced CE at
+the start state x (evaluation views, no dropout; the ``upload_before_training`` hook), the server sets
+c_i = g_i(x) and c = (1/N) sum_i g_i(x) over this round's uploads, and sends c - c_i back. This is the
+paper's option I (c_i+ = g_i(x)) evaluated at the round's own start instead of carried over to the
+next round. It costs one extra forward/backward pass over the participant's data per round and needs
+no server state. Traffic: g_i up, c - c_i down: the same two state copies per participant and round.
 
 Where the variates live: our sites are stateless between messages, so the server keeps every c_i in
 its server state on the clients' behalf (``{"c": ..., "clients": {name: c_i}}``, checkpointed with
@@ -61,6 +60,9 @@ and its step count, from which the server computes c_i+. A deployment could keep
 instead: the server sends c, the site uploads delta c_i = c_i+ - c_i. Either way two trainable-state
 copies of variates travel per participant and round (here c and c_i down, there c down and delta c_i
 up), which is what Table 8 counts (``extra_traffic_bytes``).
+
+The local learning rate: ``local_lr`` was chosen on the embedded default's global validation set only
+(docs/optimisers.md records the sweep); no test or external prediction was looked at.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ from fedhisto.methods.base import (
     GLOBAL,
     Batch,
     LocalRun,
+    LocalSchedule,
     Method,
+    PaperAssumptions,
     RoundUpdate,
     balanced_cross_entropy,
     training_autocast,
@@ -91,17 +95,25 @@ from fedhisto.splits import Split, eval_batches
 
 State = dict[str, torch.Tensor]
 
+LOCAL_LR = 0.1  # eta_l: see docs/optimisers.md for the validation sweep that chose it
+
 
 class ScaffoldConfig(Strict):
-    """SCAFFOLD (Karimireddy et al. 2020, option II) on the PEFT model; global step eta_g = 1."""
+    """SCAFFOLD (Karimireddy et al. 2020, Algorithm 1, option II) on the PEFT model; global step eta_g = 1."""
 
     correction_scale: float = Field(
         1.0, ge=0, description="[ours] multiplies c - c_i in the local step: 1 is the paper's correction, 0 trains "
-                               "as fedavg_peft while the variates are still tracked")
+                               "without it while the variates are still tracked")
     variates: Literal["option_ii", "start_gradient"] = Field(
         "option_ii", description="option_ii: the paper's c_i+ = c_i - c + (x - y_i) / (K_i eta_l), server-kept; "
                                  "[ours] start_gradient: c_i = full-data gradient at the round's start (option I "
                                  "without the round's delay), uploaded before training")
+    local_lr: float = Field(
+        LOCAL_LR, gt=0, description="eta_l of the plain SGD local steps (Algorithm 1); chosen on the embedded "
+                                    "default's validation set (docs/optimisers.md)")
+    weighting: Literal["uniform", "sample_mass"] = Field(
+        "uniform", description="uniform: the paper's (1/|S|) sum Delta y_i; sample_mass: the study's n_i / n "
+                               "(a departure from the paper, marked in the report)")
 
 
 def _zeros_like(state: State) -> State:
@@ -123,16 +135,34 @@ def server_variate(c: State, old: dict[str, State], new: dict[str, State], n_par
     return out
 
 
-def align_factor_signs(new: State, reference: State) -> State:
-    """Each LoRA component (row j of A, column j of B) of ``new`` with the sign that agrees with
-    ``reference``; s B A is unchanged (both factors flip), ties keep the sign."""
-    out = dict(new)
-    for a_key, b_key in lora_pairs(list(new)):
-        agree = (new[a_key].double() * reference[a_key].double()).sum(1) + \
-                (new[b_key].double() * reference[b_key].double()).sum(0)
-        sign = torch.where(agree < 0, -1.0, 1.0).to(new[a_key].dtype)
-        out[a_key], out[b_key] = new[a_key] * sign[:, None], new[b_key] * sign[None, :]
-    return out
+def mean_state(states: list[State], weights: list[float]) -> State:
+    """Algorithm 1's model step with eta_g = 1: sum_i a_i y_i, in float64, stored in the states' dtype."""
+    return {k: sum((w * st[k].double() for st, w in zip(states, weights, strict=True)),
+                   torch.zeros_like(states[0][k].double())).to(states[0][k].dtype) for k in states[0]}
+
+
+def rebalance(a: torch.Tensor, b: torch.Tensor, scaling: float, rtol: float = 1e-10
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The balanced split of s B A (delta-SVD's: B'^T B' = A' A'^T = S / s) as an exact change of basis:
+    (A', B', M, M^-1) in float64 with B' = B M, A' = M^-1 A. None when B or A is rank-deficient (no
+    invertible M exists; the pair stays as it is)."""
+    a, b = a.double(), b.double()
+    q_b, r_b = torch.linalg.qr(b)            # out x r, r x r
+    q_a, r_a = torch.linalg.qr(a.T)          # in x r, r x r
+    u, sv, vh = torch.linalg.svd(scaling * (r_b @ r_a.T))
+    if sv.numel() < a.shape[0] or float(sv[-1]) <= rtol * max(float(sv[0]), 1e-300):
+        return None
+    root = torch.sqrt(sv / scaling)
+    m = torch.linalg.solve_triangular(r_b, u, upper=True) * root[None, :]   # R_B^-1 U sqrt(S / s)
+    m_inv = (u.T @ r_b) / root[:, None]                                      # sqrt(s / S) U^T R_B
+    return root[:, None] * (vh @ q_a.T), (q_b @ u) * root[None, :], m, m_inv
+
+
+def transport(variate: State, a_key: str, b_key: str, m: torch.Tensor, m_inv: torch.Tensor) -> None:
+    """A pair's variates into the new basis, in place: c_B' = c_B M, c_A' = M^-1 c_A."""
+    dtype = variate[a_key].dtype
+    variate[a_key] = (m_inv.to(variate[a_key].device) @ variate[a_key].double()).to(dtype)
+    variate[b_key] = (variate[b_key].double() @ m.to(variate[b_key].device)).to(dtype)
 
 
 def start_gradient(model: FedHistoModel, data: Split, cfg, device: torch.device) -> State:
@@ -158,6 +188,31 @@ def start_gradient(model: FedHistoModel, data: Split, cfg, device: torch.device)
 
 class Scaffold(Method):
     """fedavg_peft's model and objective plus SCAFFOLD's control variates (see the module docstring)."""
+
+    assumptions = PaperAssumptions("Karimireddy et al. 2020 (SCAFFOLD, Algorithm 1)", local_optimizer="sgd",
+                                   weighting="uniform", participation="any", clipping=False)
+
+    def __init__(self, name, cfg, config_key=None, *, local_optimizer: str = "sgd") -> None:
+        super().__init__(name, cfg, config_key)
+        if local_optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"method {name!r}: local_optimizer {local_optimizer!r} is sgd or adamw")
+        self.local_optimizer = local_optimizer
+
+    def local_schedule(self, round_idx: int) -> LocalSchedule:
+        """Plain SGD with ``local_lr``, no clipping, no weight decay (Algorithm 1), in the study's single-view
+        batches and epochs; ``scaffold_adamw``: the study's AdamW schedule."""
+        if self.local_optimizer == "adamw":
+            return super().local_schedule(round_idx)
+        t = self.cfg.train
+        return LocalSchedule("sgd", self.settings.local_lr, 0.0, t.local_epochs, t.single_view_batch, 1, None)
+
+    def weighting(self) -> str:
+        return self.settings.weighting
+
+    def client_weights(self, counts, updates) -> list[float]:
+        if self.settings.weighting == "uniform":
+            return [1.0 / len(counts)] * len(counts)
+        return super().client_weights(counts, updates)
 
     @property
     def pre_uploads(self) -> bool:  # start_gradient: every participant uploads g_i(x) before training
@@ -186,10 +241,12 @@ class Scaffold(Method):
     @contextmanager
     def local_session(self, run: LocalRun) -> Iterator[None]:
         c, c_i = run.payload.get("control"), run.payload.get("client_control")
+        # in the dtype of the state the client trains (the engines' float32; float64 in a toy)
         if c is not None:
-            run.scratch["correction"] = {k: (c[k] - c_i[k]).to(run.device, torch.float32) for k in c}
+            run.scratch["correction"] = {k: (c[k] - c_i[k]).to(run.device, run.start_state[k].dtype) for k in c}
         elif run.payload.get("correction") is not None:
-            run.scratch["correction"] = {k: v.to(run.device, torch.float32) for k, v in run.payload["correction"].items()}
+            run.scratch["correction"] = {k: v.to(run.device, run.start_state[k].dtype)
+                                         for k, v in run.payload["correction"].items()}
         yield
 
     def _group_scale(self, run: LocalRun, batch: Batch) -> float:
@@ -207,12 +264,20 @@ class Scaffold(Method):
         return {"scaffold": self.settings.correction_scale * self._group_scale(run, batch) * drift}
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
-        members, _ = super().aggregate_train(update, model)
         returned = sorted(update.states)
         start = update.starts[returned[0]]
-        members[GLOBAL] = align_factor_signs(members[GLOBAL], start)
+        for n in returned:  # SGD without clipping diverges at too large an eta_l: say so, not an SVD error
+            bad = sorted(k for k, v in update.states[n].items() if not bool(torch.isfinite(v).all()))
+            if bad:
+                raise ValueError(f"scaffold: participant {n}'s state after round {update.round_idx + 1} is not finite "
+                                 f"({bad[0]}, {len(bad)} tensor(s)): its SGD local steps diverged; lower "
+                                 f"train.scaffold.local_lr ({self.local_schedule(update.round_idx).lr:g})")
+        weights = [update.weights[n] for n in returned]
+        if abs(sum(weights) - 1.0) > 1e-6:
+            raise ValueError(f"scaffold: aggregation weights must sum to 1, got {sum(weights)}")
+        merged = mean_state([update.states[n] for n in returned], weights)
         if self.pre_uploads:  # start_gradient: variates are recomputed every round, nothing to keep
-            return members, None
+            return {GLOBAL: self._rebalanced(merged, [], model.lora_scaling)}, None
         state = update.server_state or {}
         device = next(iter(start.values())).device  # a resumed checkpoint holds the variates on the host
         c = {k: v.to(device) for k, v in state["c"].items()} if state.get("c") else _zeros_like(start)
@@ -227,7 +292,24 @@ class Scaffold(Method):
             new[n] = client_variate(old[n], c, update.starts[n], update.states[n], update.steps[n], lr)
         n_participants = len(set(getattr(self, "_participants", [])) | set(returned))
         clients.update(new)
-        return members, {"c": server_variate(c, old, new, n_participants), "clients": clients}
+        c = server_variate(c, old, new, n_participants)
+        merged = self._rebalanced(merged, [c, *clients.values()], model.lora_scaling)
+        return {GLOBAL: merged}, {"c": c, "clients": clients}
+
+    @staticmethod
+    def _rebalanced(state: State, variates: list[State], scaling: float) -> State:
+        """Each LoRA pair of ``state`` in delta-SVD's balanced split (an exact change of basis) with every
+        variate transported into it (``rebalance``, ``transport``)."""
+        out = dict(state)
+        for a_key, b_key in lora_pairs(list(state)):
+            found = rebalance(state[a_key], state[b_key], scaling)
+            if found is None:
+                continue
+            a, b, m, m_inv = found
+            out[a_key], out[b_key] = a.to(state[a_key].dtype), b.to(state[b_key].dtype)
+            for v in variates:
+                transport(v, a_key, b_key, m, m_inv)
+        return out
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"control_variates": 2 * len(availability) * payload_bytes}

@@ -9,12 +9,13 @@ micro-batch step runs ONE forward/backward of the frozen encoder over all active
   as batched matmuls over (member, rows) groups (``lora_members``);
 - residual adapter, FiLM and classifier: the model's own modules (``FedHistoModel.head``) called with
   each group's member tensors (``member_heads``, by ``torch.func.functional_call``);
-- feature restyling (FedStain's MixStyle) is applied to each member's rows with that member's random
+- a method's feature restyling (e.g. MixStyle) is applied to each member's rows with that member's random
   stream (``Method.restyle``);
 - loss terms per member come from the method's own ``batch_inputs`` / ``terms_from_outputs``, so
   the objective is the sequential one; the members' losses are summed (their gradients do not mix);
 - ``StackedAdamW``: torch.optim.AdamW's update per member, with per-member step counts and a mask of
-  the members that step now; gradient-norm clipping per member (``clip_per_member``, the
+  the members that step now (``StackedSGD`` for a method whose schedule asks for plain SGD);
+  gradient-norm clipping per member where the schedule clips (``clip_per_member``, the
   ``clip_grad_norm_`` formula over that member's tensors). A member whose epoch has fewer
   micro-batches than the others' simply drops out of the later steps of that epoch.
 
@@ -144,6 +145,33 @@ class StackedAdamW:
         for p in self.params.values():
             if p.grad is not None:
                 p.grad.masked_fill_(mask.view((-1,) + (1,) * (p.dim() - 1)), 0.0)
+
+
+class StackedSGD:
+    """torch.optim.SGD without momentum over member-stacked tensors: p <- p - lr (g + wd p) for the
+    members in ``mask``; stateless, as torch's SGD without momentum (a kept reading keeps nothing)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], lr: float, weight_decay: float) -> None:
+        self.params, self.lr, self.weight_decay = params, lr, weight_decay
+
+    def load_members(self, states: Sequence[OptimizerState | None], where: Sequence[str]) -> None:
+        for m, state in enumerate(states):
+            if state:
+                raise ValueError(f"{where[m]}: plain SGD keeps no optimiser state, but one was passed")
+
+    def member_state(self, m: int) -> OptimizerState:
+        return {}
+
+    @torch.no_grad()
+    def step(self, mask: torch.Tensor) -> None:
+        for p in self.params.values():
+            g = p.grad if self.weight_decay == 0 else p.grad + self.weight_decay * p
+            p.copy_(torch.where(mask.view((-1,) + (1,) * (p.dim() - 1)), torch.add(p, g, alpha=-self.lr), p))
+
+    zero_grad = StackedAdamW.zero_grad
+
+
+STACKED_OPTIMIZERS = {"adamw": StackedAdamW, "sgd": StackedSGD}
 
 
 @torch.no_grad()
@@ -302,12 +330,12 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     if not jobs:
         return []
     plan = method.local_schedule(jobs[0].round_idx)
-    check_optimizer(method, plan, ("adamw",), "batched")
+    check_optimizer(method, plan, tuple(STACKED_OPTIMIZERS), "batched")
     seed_round(jobs[0])  # one dropout stream for the whole stack
     model.train()
     n_members = len(jobs)
     params = stack_states([j.start_state for j in jobs], device)
-    opt = StackedAdamW(params, plan.lr, plan.weight_decay)
+    opt = STACKED_OPTIMIZERS["adamw" if plan.optimizer == "adam" else plan.optimizer](params, plan.lr, plan.weight_decay)
     kept = keeps_state(cfg)
     if any(j.optimizer_state is not None for j in jobs):
         if not kept:  # never silently dropped
@@ -363,7 +391,8 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 due = [m in active and steps_now(b, len(batches[m]), plan.accumulation) for m in range(n_members)]
                 if any(due):
                     mask = torch.tensor(due, device=device)
-                    clip_per_member(params, cfg.train.grad_clip, mask)
+                    if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
+                        clip_per_member(params, plan.grad_clip, mask)
                     opt.step(mask)
                     opt.zero_grad(mask)
                     updates = [u + int(d) for u, d in zip(updates, due, strict=True)]

@@ -31,7 +31,7 @@ from fedhisto.train.plan import (
     steps_now,
 )
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # sgd: no momentum
 
 
 def local_train(method: Method, model: FedHistoModel, start_state: dict[str, torch.Tensor], data: Split,
@@ -59,7 +59,8 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
                 terms = method.batch_terms(run, batch_of(job, plan, epoch, b, idx, device))
                 (sum(terms.values()) / plan.accumulation).backward()
                 if steps_now(b, len(batches), plan.accumulation):
-                    torch.nn.utils.clip_grad_norm_(params.values(), cfg.train.grad_clip)
+                    if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
+                        torch.nn.utils.clip_grad_norm_(params.values(), plan.grad_clip)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     updates += 1
