@@ -175,6 +175,7 @@ class Method:
     exchanges_model: bool = True    # the trainable state travels down and up every round (Table 8)
     pre_uploads: bool = False       # participants upload before training (``upload_before_training``)
     post_uploads: bool = False      # participants upload after aggregation (``upload_after_aggregation``)
+    own_holdout: bool = False       # each member is a site's model, scored on that site's holdout only
 
     def __init__(self, name: str, cfg: Config, config_key: str | None = None, **options: Any) -> None:
         if options:
@@ -217,6 +218,11 @@ class Method:
         t = self.cfg.train
         micro, accum = (t.paired_micro_batch, t.accumulation_steps) if self.paired_views else (t.single_view_batch, 1)
         return LocalSchedule("adamw", t.lr, t.weight_decay, t.local_epochs, micro, accum)
+
+    def trains(self, name: str) -> bool:
+        """Whether the sites' optimiser updates the trainable tensor ``name`` (default: every one; FFA-LoRA
+        keeps A at its shared initialisation). A tensor it does not train still travels and is aggregated."""
+        return True
 
     # ----------------------------------------------------------- server half
     def start_state(self, members: dict[str, dict[str, torch.Tensor]], participant: str) -> dict[str, torch.Tensor]:
@@ -311,6 +317,11 @@ class Method:
         return {}
 
     # ----------------------------------------------------------- accounting
+    def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
+        """Bytes of the model exchange per round (Table 8): the trainable ``state`` down and up for each
+        of ``clients`` (a method that sends less, or more, says so here)."""
+        return 2 * len(clients) * sum(t.numel() * t.element_size() for t in state.values())
+
     def extra_traffic_bytes(self, dim: int, availability: dict[str, list[bool]], optimisation_sizes: dict[str, int],
                             payload_bytes: int) -> dict[str, int]:
         """Bytes per round beyond the model exchange, by message kind (Table 8): ``dim`` is the embedding

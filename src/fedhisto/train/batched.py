@@ -307,7 +307,10 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     model.train()
     n_members = len(jobs)
     params = stack_states([j.start_state for j in jobs], device)
-    opt = StackedAdamW(params, plan.lr, plan.weight_decay)
+    for n, p in params.items():  # a tensor the method does not train (FFA-LoRA's A): no gradient, no step
+        p.requires_grad_(method.trains(n))
+    trained = {n: p for n, p in params.items() if p.requires_grad}
+    opt = StackedAdamW(trained, plan.lr, plan.weight_decay)
     kept = keeps_state(cfg)
     if any(j.optimizer_state is not None for j in jobs):
         if not kept:  # never silently dropped
@@ -363,7 +366,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 due = [m in active and steps_now(b, len(batches[m]), plan.accumulation) for m in range(n_members)]
                 if any(due):
                     mask = torch.tensor(due, device=device)
-                    clip_per_member(params, cfg.train.grad_clip, mask)
+                    clip_per_member(trained, cfg.train.grad_clip, mask)
                     opt.step(mask)
                     opt.zero_grad(mask)
                     updates = [u + int(d) for u, d in zip(updates, due, strict=True)]
