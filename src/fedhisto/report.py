@@ -14,6 +14,7 @@ from pathlib import Path
 from fedhisto import CLASSES
 from fedhisto.atomic import write_csv, write_text
 from fedhisto.config import BootstrapConfig
+from fedhisto.predictions import MEMBER_COLUMN, read_predictions
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.report_figures import write_figures
 from fedhisto.targets import write_table2
@@ -42,6 +43,30 @@ def unavailability_notes(summary: list[dict], methods: set[str]) -> list[str]:
             for r in summary if r["method"] in methods and int(r.get("unavailable_client_rounds") or 0) > 0]
 
 
+def model_notes(external_predictions: dict[str, list[str]]) -> list[str]:
+    """A footnote per method that keeps one model per site (local_only, fedsa_lora): how its rows are
+    scored, read from its own prediction files (the ``model`` column), so the tables say which rule."""
+    notes = []
+    for method, files in external_predictions.items():
+        if not files:
+            continue
+        models = sorted(read_predictions(files[0]))
+        if len(models) < 2:
+            continue
+        holdout = Path(files[0]).with_name("holdout.csv")
+        own = holdout.exists() and all(r[MEMBER_COLUMN] == r["client"] for r in read_rows_flat(holdout))
+        notes.append(f"{method}: {len(models)} models per run, one per site ({', '.join(models)}); its test and "
+                     "external scores are the mean over the site models (Table 5: each site model's cross-seed "
+                     "ensemble, then the mean); its worst-client column scores each site's holdout with "
+                     + ("that site's own model only" if own else "every site's model"))
+    return notes
+
+
+def read_rows_flat(path: Path) -> list[dict]:
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
+
+
 def privacy_columns(summary_row: dict) -> dict:
     """Epsilon (the largest per-site value over the method's seeds) and delta, for DP runs only: the
     tables of non-private runs keep their columns."""
@@ -57,6 +82,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
     ``caveats``: :func:`fedhisto.caveats.run_caveats` of the run's config, printed as
     ``CAVEAT`` notes under Tables 4 and 5 (none on the synthetic cohort: those tables as before)."""
     warned = [f"CAVEAT: {c}" for c in caveats]
+    per_site = model_notes(external_predictions)
     m = json.loads(Path(metrics_json).read_text())
     tables, figures = Path(tables_dir), Path(figures_dir)
     if manifest_dir is not None:  # Table 2 as built beside the study's, with the scaling line (fedhisto.targets)
@@ -72,7 +98,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "unavailable_client_rounds": row.get("unavailable_client_rounds", 0),
                    **privacy_columns(row)})
     write_table(tables / "table4_internal", t4, "Table 4: internal global test (finalised seeds, mean and sample SD)",
-                warned)
+                [*warned, *per_site])
     missed = {r["method"]: r.get("unavailable_client_rounds", 0) for r in m["summary"]}
     dp = {r["method"]: privacy_columns(r) for r in m["summary"]}
     t5 = []
@@ -81,7 +107,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "accuracy": e["accuracy"], **{f"recall_{c}": e["per_class"][c]["recall"] for c in CLASSES},
                    "nll": e["nll"], "brier": e["brier"], "ece": e["ece"],
                    "unavailable_client_rounds": missed.get(method, 0), **dp.get(method, {})})
-    write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles", warned)
+    write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles", [*warned, *per_site])
     boots = [json.loads(Path(p).read_text()) for p in bootstrap_jsons]
     for path, b in zip(bootstrap_jsons, boots, strict=True):
         if "ablation" not in b:
