@@ -129,3 +129,34 @@ def test_table_8_counts_each_aggregators_messages_from_the_real_tensors():
     got = {r["method"]: r for r in communication_table(het, encoder="hibou-b")}
     saved = 2 * (lora_a + lora_b) * (4 / 8 + 6 / 8)  # C1 sends half its factors' columns, C2 a quarter
     assert float(got["flexlora"]["model_per_round_mib"]) == pytest.approx(full - saved / mib, abs=1e-6)
+
+
+def test_the_flower_engine_refuses_a_method_with_one_model_per_site_by_name():
+    pytest.importorskip("flwr")
+    from fedhisto.federation.server import check_federable
+
+    with pytest.raises(ValueError, match="method 'fedsa_lora' is not a federated method with one global model"):
+        check_federable(build_method("fedsa_lora", load_config({})), ["C1", "C2"])
+
+
+def test_tables_say_how_a_method_with_one_model_per_site_is_scored(tmp_path: Path):
+    from fedhisto.predictions import write_predictions
+    from fedhisto.report import model_notes
+
+    def rows(models, clients, cohort):
+        return [{"sample_id": f"{c}{m}", "label": "ACA", "p_ACA": "1", "p_Normal": "0", "p_SCC": "0", "pred": "ACA",
+                 "cohort": cohort, "client": c, "differentiation": "", "magnification": "", "run_status": "finalised",
+                 "model": m} for m in models for c in clients]
+
+    files = {}
+    for method, own in (("fedsa_lora", True), ("local_only", False), ("fedavg_peft", None)):
+        folder = tmp_path / method
+        models = ["global"] if own is None else ["C1", "C2"]
+        write_predictions(folder / "external.csv", rows(models, ["EXT"], "external"))
+        write_predictions(folder / "holdout.csv", [r for r in rows(models, ["C1", "C2"], "holdout")
+                                                   if not own or r["model"] == r["client"]])
+        files[method] = [str(folder / "external.csv")]
+    notes = model_notes(files)
+    assert len(notes) == 2  # the single-model method gets none
+    assert notes[0].startswith("fedsa_lora: 2 models per run, one per site (C1, C2)")
+    assert notes[0].endswith("that site's own model only") and notes[1].endswith("every site's model")
