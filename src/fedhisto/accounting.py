@@ -17,6 +17,9 @@ Messages per round and client:
 - control variates (scaffold): c and the client's c_i down (a deployment that keeps c_i at the
   site: c down, delta c_i up), each the size of the trainable state; a kind without a column of
   its own, so it is summed into ``other_extra_per_round_mib`` and named in ``other_extra_kinds``.
+- the model exchange itself is the method's ``model_bytes`` (default: the trainable state down and up
+  per client; the LoRA aggregators count what their protocol sends: FFA-LoRA without A, FedSA-LoRA
+  without B, FlexLoRA at each site's rank; ``fedmath.lora_aggregators``).
 One-time: each client's 14-d stain descriptor, up once.
 
 The study's Table 8 (41.615891 MiB for v1/v2) matches centroids+counts up and centroids
