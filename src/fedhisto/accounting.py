@@ -17,6 +17,9 @@ Messages per round and client:
 - control variates (scaffold): c and the client's c_i down (a deployment that keeps c_i at the
   site: c down, delta c_i up), each the size of the trainable state; a kind without a column of
   its own, so it is summed into ``other_extra_per_round_mib`` and named in ``other_extra_kinds``.
+- the model exchange itself is the method's ``model_bytes`` (default: the trainable state down and up
+  per client; the LoRA aggregators count what their protocol sends: FFA-LoRA without A, FedSA-LoRA
+  without B, FlexLoRA at each site's rank; ``fedmath.lora_aggregators``).
 One-time: each client's 14-d stain descriptor, up once.
 
 The study's Table 8 (41.615891 MiB for v1/v2) matches centroids+counts up and centroids
@@ -64,11 +67,11 @@ def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:
     for method in ["fedavg_peft", *[m for m in methods if m != "fedavg_peft"]]:
         card = model_card(encoder, method, cfg.model)
         model = meta_model(encoder, method, cfg.model)
-        payload = sum(t.numel() * t.element_size() for t in model.trainable_state().values())
-        model_bytes = 2 * n_clients * payload
+        state = model.trainable_state()
+        payload = sum(t.numel() * t.element_size() for t in state.values())
         dim = model.classifier.in_features
         m = build_method(method, cfg)
-        model_bytes = model_bytes if m.exchanges_model else 0
+        model_bytes = m.model_bytes(state, sorted(availability)) if m.exchanges_model else 0
         extra = m.extra_traffic_bytes(dim, availability, optimisation_sizes(cfg), payload)
         protos = prototype_traffic(dim, availability) if "prototype" in extra else None
         style = extra.get("style_statistics", 0)

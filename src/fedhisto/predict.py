@@ -132,6 +132,8 @@ def _predict_run(method: str, seed: int, train_dir: Path, out: Path, meta: dict,
         for member, state in members.items():
             model.load_trainable_state(state)
             for key, who in keys:
+                if cohort == "holdout" and m.own_holdout and member != who:
+                    continue  # a personalised model is scored on its own site's holdout only
                 split = parts[key]
                 probs = predict(model, split, desc.get(who, desc["global"]), cfg, device).numpy()
                 if temperatures:

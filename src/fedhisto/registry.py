@@ -243,3 +243,11 @@ register("fedadam", "fedhisto.methods.fedadam:FedAdam", "fedadam", settings="fed
 register("fedavg_peft_stain", _PAST, **_PAST_SETTINGS, stain_views=True, comparison="v2_vs_fedavg_stain")
 register("v1_stain", _PAST, **_PAST_SETTINGS, film=True, prototypes="v1", aggregation="adaptive", stain_views=True,
          comparison="v2_vs_v1_stain")
+# The federated-LoRA aggregators (not in the study; comparators of its delta-SVD) on fedavg_peft's model and
+# objective, one registration each (fedhisto.methods.lora_aggregation; the math: fedmath.lora_aggregators).
+_LORA = "fedhisto.methods.lora_aggregation:LoraAggregated"
+_LORA_SETTINGS = {"config_key": "lora_aggregation", "settings": "fedhisto.methods.lora_aggregation:LoraAggregationConfig"}
+register("factor_mean", _LORA, **_LORA_SETTINGS, aggregator_name="factor_mean", comparison="v2_vs_factor_mean")
+register("flexlora", _LORA, **_LORA_SETTINGS, aggregator_name="flexlora", comparison="v2_vs_flexlora")
+register("ffa_lora", _LORA, **_LORA_SETTINGS, aggregator_name="ffa_lora", comparison="v2_vs_ffa_lora")
+register("fedsa_lora", _LORA, **_LORA_SETTINGS, aggregator_name="fedsa_lora", comparison="v2_vs_fedsa_lora")

@@ -14,6 +14,7 @@ from pathlib import Path
 from fedhisto import CLASSES
 from fedhisto.atomic import write_csv, write_text
 from fedhisto.config import BootstrapConfig
+from fedhisto.predictions import MEMBER_COLUMN, read_predictions
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.report_figures import write_figures
 from fedhisto.targets import write_table2
@@ -40,6 +41,30 @@ def unavailability_notes(summary: list[dict], methods: set[str]) -> list[str]:
     return [f"{r['method']}: {r['unavailable_client_rounds']} client-round(s) unavailable across its runs "
             "(aggregated without them; train.max_unavailable_client_rounds bounds this per run)"
             for r in summary if r["method"] in methods and int(r.get("unavailable_client_rounds") or 0) > 0]
+
+
+def model_notes(external_predictions: dict[str, list[str]]) -> list[str]:
+    """A footnote per method that keeps one model per site (local_only, fedsa_lora): how its rows are
+    scored, read from its own prediction files (the ``model`` column), so the tables say which rule."""
+    notes = []
+    for method, files in external_predictions.items():
+        if not files:
+            continue
+        models = sorted(read_predictions(files[0]))
+        if len(models) < 2:
+            continue
+        holdout = Path(files[0]).with_name("holdout.csv")
+        own = holdout.exists() and all(r[MEMBER_COLUMN] == r["client"] for r in read_rows_flat(holdout))
+        notes.append(f"{method}: {len(models)} models per run, one per site ({', '.join(models)}); its test and "
+                     "external scores are the mean over the site models (Table 5: each site model's cross-seed "
+                     "ensemble, then the mean); its worst-client column scores each site's holdout with "
+                     + ("that site's own model only" if own else "every site's model"))
+    return notes
+
+
+def read_rows_flat(path: Path) -> list[dict]:
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
 
 
 def privacy_columns(summary_row: dict) -> dict:
@@ -74,6 +99,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
     with a marked arm) and a note under each table."""
     marks = method_caveats or {}
     warned = [f"CAVEAT: {c}" for c in caveats]
+    per_site = model_notes(external_predictions)
     m = json.loads(Path(metrics_json).read_text())
     tables, figures = Path(tables_dir), Path(figures_dir)
     if manifest_dir is not None:  # Table 2 as built beside the study's, with the scaling line (fedhisto.targets)
@@ -90,7 +116,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    **privacy_columns(row)})
     t4 = [marked(r, marks, r["method"]) for r in t4]
     write_table(tables / "table4_internal", t4, "Table 4: internal global test (finalised seeds, mean and sample SD)",
-                warned + method_notes(marks, [r["method"] for r in t4]))
+                [*warned, *per_site, *method_notes(marks, [r["method"] for r in t4])])
     missed = {r["method"]: r.get("unavailable_client_rounds", 0) for r in m["summary"]}
     dp = {r["method"]: privacy_columns(r) for r in m["summary"]}
     t5 = []
@@ -101,7 +127,7 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                    "unavailable_client_rounds": missed.get(method, 0), **dp.get(method, {})})
     t5 = [marked(r, marks, r["method"]) for r in t5]
     write_table(tables / "table5_external", t5, "Table 5: external cohort, method-level ensembles",
-                warned + method_notes(marks, [r["method"] for r in t5]))
+                [*warned, *per_site, *method_notes(marks, [r["method"] for r in t5])])
     boots = [json.loads(Path(p).read_text()) for p in bootstrap_jsons]
     for path, b in zip(bootstrap_jsons, boots, strict=True):
         if "ablation" not in b:

@@ -66,7 +66,8 @@ def check_federable(method: Method, sites: list[str]) -> None:
         raise ValueError(why)
     if type(method).participants is not Method.participants or method.members(sites) != [GLOBAL]:
         raise ValueError(f"method {method.name!r} is not a federated method with one global model "
-                         "(local_only and pooled run only on the in-process engine)")
+                         "(a method with one model per site, such as local_only or fedsa_lora, and pooled run only on the "
+                         "in-process engine)")
 
 
 class FederatedRun:

@@ -193,6 +193,7 @@ class Method:
     # What the method's paper assumes (None: the method is the study's own, or a reference such as
     # local_only / pooled whose protocol is the study's by definition); see ``protocol_departures``.
     assumptions: PaperAssumptions | None = None
+    own_holdout: bool = False       # each member is a site's model, scored on that site's holdout only
 
     def __init__(self, name: str, cfg: Config, config_key: str | None = None, **options: Any) -> None:
         if options:
@@ -256,6 +257,11 @@ class Method:
         if not a.clipping and plan.grad_clip is not None:
             out.append(f"local gradients clipped to norm {plan.grad_clip:g}; {a.source} does not clip")
         return [f"{self.name}: {d}" for d in out]
+
+    def trains(self, name: str) -> bool:
+        """Whether the sites' optimiser updates the trainable tensor ``name`` (default: every one; FFA-LoRA
+        keeps A at its shared initialisation). A tensor it does not train still travels and is aggregated."""
+        return True
 
     # ----------------------------------------------------------- server half
     def start_state(self, members: dict[str, dict[str, torch.Tensor]], participant: str) -> dict[str, torch.Tensor]:
@@ -350,6 +356,11 @@ class Method:
         return {}
 
     # ----------------------------------------------------------- accounting
+    def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
+        """Bytes of the model exchange per round (Table 8): the trainable ``state`` down and up for each
+        of ``clients`` (a method that sends less, or more, says so here)."""
+        return 2 * len(clients) * sum(t.numel() * t.element_size() for t in state.values())
+
     def extra_traffic_bytes(self, dim: int, availability: dict[str, list[bool]], optimisation_sizes: dict[str, int],
                             payload_bytes: int) -> dict[str, int]:
         """Bytes per round beyond the model exchange, by message kind (Table 8): ``dim`` is the embedding

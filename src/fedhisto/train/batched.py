@@ -335,7 +335,10 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     model.train()
     n_members = len(jobs)
     params = stack_states([j.start_state for j in jobs], device)
-    opt = STACKED_OPTIMIZERS["adamw" if plan.optimizer == "adam" else plan.optimizer](params, plan.lr, plan.weight_decay)
+    for n, p in params.items():  # a tensor the method does not train (a frozen LoRA factor): no gradient, no step
+        p.requires_grad_(method.trains(n))
+    trained = {n: p for n, p in params.items() if p.requires_grad}
+    opt = STACKED_OPTIMIZERS["adamw" if plan.optimizer == "adam" else plan.optimizer](trained, plan.lr, plan.weight_decay)
     kept = keeps_state(cfg)
     if any(j.optimizer_state is not None for j in jobs):
         if not kept:  # never silently dropped
@@ -392,7 +395,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 if any(due):
                     mask = torch.tensor(due, device=device)
                     if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
-                        clip_per_member(params, plan.grad_clip, mask)
+                        clip_per_member(trained, plan.grad_clip, mask)
                     opt.step(mask)
                     opt.zero_grad(mask)
                     updates = [u + int(d) for u, d in zip(updates, due, strict=True)]

@@ -47,7 +47,8 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
     seed_round(job)
     model.load_trainable_state(start_state)
     model.train()
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    # a tensor the method does not train (a frozen LoRA factor) stays out of the optimiser and the clipping norm
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad and method.trains(n)}
     opt = make_optimizer(plan, params, job, cfg)
     run = local_run(model, job, cfg, plan, device, params)
     losses, updates = LossMeans(), 0

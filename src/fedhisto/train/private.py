@@ -122,7 +122,7 @@ class PrivateSites:
         seed_round(job)  # the per-sample dropout masks draw from the round's torch stream
         model.load_trainable_state(start_state)
         model.train()
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad and method.trains(n)}
         opt = make_optimizer(plan, params, job, cfg)
         run = local_run(model, job, cfg, plan, device, params)
         loss = unit_loss_for(method, payload, run.ce_weights, device)

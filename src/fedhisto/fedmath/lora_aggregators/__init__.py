@@ -1,0 +1,124 @@
+"""Server aggregators of LoRA factors, one file each, and their registry.
+
+Every aggregator combines, per LoRA-adapted module, the clients' factors ``(A_k, B_k)`` (peft shapes:
+A is r x in, B is out x r) with weights ``a_k`` (summing to 1) into the next round's factors; tensors
+outside LoRA pairs (adapter, FiLM, classifier) take the weighted mean ``sum_k a_k theta_k`` under
+every aggregator here. An aggregator also says what travels (``message_bytes``, counted from the real
+tensors for Table 8), whether it admits a different LoRA rank per site, and whether the aggregate is
+exact (``s B' A'`` equals ``sum_k a_k s B_k A_k``).
+
+Registered: ``delta_svd`` (the study's, ``fedmath.delta_svd``), ``factor_mean``, ``flexlora``,
+``fedex_lora``, ``ffa_lora`` and ``fedsa_lora``. The methods of the same names
+(``methods.lora_aggregation``) are FedAvg-PEFT's model and objective with that aggregator.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: name -> "module:Class" (imported when used, so listing the names imports no aggregator)
+AGGREGATORS = {
+    "delta_svd": "fedhisto.fedmath.lora_aggregators.study_delta_svd:DeltaSVD",
+    "factor_mean": "fedhisto.fedmath.lora_aggregators.factor_mean:FactorMean",
+    "flexlora": "fedhisto.fedmath.lora_aggregators.flexlora:FlexLoRA",
+    "fedex_lora": "fedhisto.fedmath.lora_aggregators.fedex_lora:FedExLoRA",
+    "ffa_lora": "fedhisto.fedmath.lora_aggregators.ffa_lora:FFALoRA",
+    "fedsa_lora": "fedhisto.fedmath.lora_aggregators.fedsa_lora:FedSALoRA",
+}
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class Pair:
+    """One module's aggregate: the factors every site receives, and (FedEx-LoRA) the dense residual
+    ``R`` (out x in) folded into the frozen weight, ``W0 <- W0 + R``; None for the others."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    residual: torch.Tensor | None = None
+
+
+class Aggregator:
+    """Base of the LoRA aggregators (see the module docstring)."""
+
+    name = ""
+    heterogeneous_ranks = False   # admits a LoRA rank per site (zero-padded to the model's rank)
+    exact = False                 # s B' A' equals sum_k a_k s B_k A_k
+    frozen_factor: str | None = None  # "lora_A": sites never train A (FFA-LoRA)
+    local_factor: str | None = None   # "lora_B": each site keeps its own B, never sent (FedSA-LoRA)
+
+    def pair(self, factors: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float], scaling: float,
+             rank: int) -> Pair:
+        raise NotImplementedError
+
+    def message_bytes(self, state: State, site_rank: int | None = None, model_rank: int | None = None
+                      ) -> tuple[int, int]:
+        """(down, up) bytes of one site in one round, from the real tensors of a trainable ``state``:
+        every tensor but the ones this aggregator keeps off the wire, a factor at the site's rank."""
+        down = up = 0
+        for key, t in state.items():
+            if self.frozen_factor and f".{self.frozen_factor}." in key:
+                continue
+            if self.local_factor and f".{self.local_factor}." in key:
+                continue
+            n = t.numel() * t.element_size()
+            if site_rank is not None and model_rank and (".lora_A." in key or ".lora_B." in key):
+                n = n * site_rank // model_rank
+            down, up = down + n, up + n
+        return down + self.extra_down_bytes(state), up
+
+    def extra_down_bytes(self, state: State) -> int:
+        """Bytes sent down per site beyond the state (FedEx-LoRA's dense residuals)."""
+        return 0
+
+
+def aggregator(name: str) -> Aggregator:
+    try:
+        target = AGGREGATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown LoRA aggregator {name!r}; registered: {', '.join(AGGREGATORS)}") from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def lora_pairs(keys: Sequence[str]) -> list[tuple[str, str]]:
+    """(A key, B key) for every LoRA-adapted module in a peft state dict."""
+    return [(k, k.replace("lora_A", "lora_B")) for k in sorted(keys) if ".lora_A." in k]
+
+
+def check_weights(states: Sequence[State], weights: Sequence[float]) -> None:
+    if not states:
+        raise ValueError("no client state to aggregate")
+    if abs(sum(weights) - 1.0) > 1e-6:
+        raise ValueError(f"aggregation weights must sum to 1, got {sum(weights)}")
+    keys = set(states[0])
+    if any(set(s) != keys for s in states[1:]):
+        raise ValueError("client states carry different tensors")
+
+
+def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum_k a_k t_k in float64, returned in the first tensor's dtype."""
+    return sum(w * t.double() for t, w in zip(tensors, weights, strict=True)).to(tensors[0].dtype)
+
+
+def aggregate_states(agg: Aggregator, states: Sequence[State], weights: Sequence[float], scaling: float,
+                     rank: int) -> tuple[State, dict[str, torch.Tensor]]:
+    """The aggregate state and, per A key, the dense residual an aggregator folds (FedEx-LoRA; else empty)."""
+    check_weights(states, weights)
+    out: State = {}
+    residuals: dict[str, torch.Tensor] = {}
+    pairs = lora_pairs(list(states[0]))
+    for a_key, b_key in pairs:
+        got = agg.pair([(s[a_key], s[b_key]) for s in states], weights, scaling, rank)
+        out[a_key], out[b_key] = got.a.to(states[0][a_key].dtype), got.b.to(states[0][b_key].dtype)
+        if got.residual is not None:
+            residuals[a_key] = got.residual
+    paired = {k for p in pairs for k in p}
+    for key in sorted(set(states[0]) - paired):
+        out[key] = weighted_mean([s[key] for s in states], weights)
+    return out, residuals

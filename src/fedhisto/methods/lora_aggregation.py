@@ -1,0 +1,110 @@
+"""FedAvg-PEFT's model and objective under an aggregator of the federated-LoRA literature
+(``fedmath.lora_aggregators``): ``factor_mean``, ``flexlora``, ``ffa_lora`` and ``fedsa_lora``.
+
+Why methods and not an aggregation option of every method: two of the aggregators change the
+*client* as well as the server (FFA-LoRA trains B alone; FedSA-LoRA keeps B at the site, so a run has
+one model per site), and FlexLoRA changes what each site starts from (its own rank). Those are the
+hooks a method owns (``trains``, ``members``, ``start_state``, ``aggregate_train``), so each is a thin
+registration of this class with the aggregator's name, beside ``fedavg_peft`` (the same model with
+the study's delta-SVD), and the aggregators themselves stay pure functions any method can call.
+
+Heterogeneous ranks (``train.lora_aggregation.site_ranks``, e.g. ``[[C1, 4], [C4, 2]]``; sites not
+named train at ``model.lora_r``): the model keeps rank ``model.lora_r`` everywhere and a rank-r_k
+site starts every round from the aggregate's leading r_k directions, the others zero. Zero factor
+rows/columns get zero gradients and AdamW leaves them zero, so the site trains exactly a rank-r_k
+LoRA (scaling alpha / ``model.lora_r``). Only an aggregator that admits it (FlexLoRA) takes a rank per
+site; the others refuse it by name when the method is built.
+
+Personalisation (``fedsa_lora``): the run keeps one model per site (shared A, adapter and classifier;
+the site's own B). Each site's model is scored on its own holdout (``own_holdout``); the global test
+and the external cohort are scored by every site's model and reported as the mean over the site
+models, as ``local_only``'s are. Early stopping uses the mean validation macro-F1 of the site models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pydantic import Field
+
+from fedhisto.config_base import Strict
+from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, lora_pairs
+from fedhisto.fedmath.lora_aggregators.flexlora import truncate
+from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
+from fedhisto.model.peft_model import FedHistoModel
+
+
+class LoraAggregationConfig(Strict):
+    """[ours] Settings of the federated-LoRA aggregator methods (factor_mean, flexlora, ffa_lora, fedsa_lora)."""
+
+    site_ranks: list[tuple[str, int]] = Field(
+        [], description="[ours] a LoRA rank per site, [[client, rank], ...] (each 1..model.lora_r; "
+                                          "sites not named: model.lora_r); only flexlora admits it, the others refuse")
+
+
+class LoraAggregated(Method):
+    """fedavg_peft's clients and model; the server aggregates LoRA factors with ``aggregator``."""
+
+    def __init__(self, name, cfg, config_key=None, *, aggregator_name: str) -> None:
+        super().__init__(name, cfg, config_key)
+        self.aggregator = aggregator(aggregator_name)
+        self.own_holdout = self.aggregator.local_factor is not None
+        self.site_ranks = self._site_ranks()
+
+    def _site_ranks(self) -> dict[str, int]:
+        pairs = self.settings.site_ranks if self.settings is not None else []
+        if not pairs:
+            return {}
+        if not self.aggregator.heterogeneous_ranks:
+            raise ValueError(f"train.lora_aggregation.site_ranks is set, but method {self.name!r} "
+                             f"({self.aggregator.name}) cannot aggregate a LoRA rank per site (flexlora can); "
+                             f"remove {self.name} from train.methods or clear site_ranks")
+        known = sorted(self.cfg.manifest.client_sites)
+        out: dict[str, int] = {}
+        for site, rank in pairs:
+            if site not in known:
+                raise ValueError(f"train.lora_aggregation.site_ranks: unknown client {site!r}; clients: {known}")
+            if site in out:
+                raise ValueError(f"train.lora_aggregation.site_ranks: client {site!r} is named twice")
+            if not 1 <= rank <= self.cfg.model.lora_r:
+                raise ValueError(f"train.lora_aggregation.site_ranks: {site} rank {rank} is outside "
+                                 f"1..model.lora_r={self.cfg.model.lora_r}")
+            out[site] = rank
+        return out
+
+    # ------------------------------------------------------------------ hooks
+    def trains(self, name: str) -> bool:
+        frozen = self.aggregator.frozen_factor
+        return not (frozen and f".{frozen}." in name)
+
+    def members(self, participants: Sequence[str]) -> list[str]:
+        return sorted(participants) if self.own_holdout else [GLOBAL]
+
+    def start_state(self, members, participant):
+        if self.own_holdout:
+            return members[participant]
+        state = members[GLOBAL]
+        rank = self.site_ranks.get(participant)
+        if rank is None or rank == self.cfg.model.lora_r:
+            return state
+        state = dict(state)
+        for a_key, b_key in lora_pairs(list(state)):
+            state[a_key], state[b_key] = truncate(state[a_key], state[b_key], rank)
+        return state
+
+    def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
+        names = sorted(update.states)
+        merged, _ = aggregate_states(self.aggregator, [update.states[n] for n in names],
+                                     [update.weights[n] for n in names], model.lora_scaling, self.cfg.model.lora_r)
+        if not self.own_holdout:
+            return {GLOBAL: merged}, update.server_state
+        local = self.aggregator.local_factor
+        return {n: {k: (update.states[n][k] if f".{local}." in k else v) for k, v in merged.items()}
+                for n in names}, update.server_state
+
+    # ------------------------------------------------------------ accounting
+    def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
+        """Down + up bytes of the model exchange per round over ``clients`` (Table 8), from the real tensors."""
+        r = self.cfg.model.lora_r
+        return sum(sum(self.aggregator.message_bytes(state, self.site_ranks.get(c, r), r)) for c in clients)
