@@ -35,8 +35,22 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = load_config_file(args.config)
-    print(f"{args.config}: valid (cohort mode {cfg.cohort.mode})")
+    """The config a run given ``--configfile FILE... [--config K=V...]`` sees, built and validated as the
+    workflow builds it (:func:`fedhisto.config.command_line_config`)."""
+    import yaml
+
+    from fedhisto.config import command_line_config, load_config
+
+    overrides = {}
+    for item in args.overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--config {item!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
+    source = " + ".join(args.config) + (" + --config " + " ".join(args.overrides) if args.overrides else "")
+    cfg = load_config(command_line_config(args.config, overrides), source=source)
+    print(f"{source}: valid (cohort mode {cfg.cohort.mode}, encoder {cfg.model.encoder.name}; as "
+          f"`snakemake --configfile {' '.join(args.config)}` sees it)")
     return 0
 
 
@@ -345,8 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write", metavar="PATH", help=f"write it here (the workflow reads {SCHEMA_PATH})")
     p.set_defaults(func=_cmd_schema)
 
-    p = sub.add_parser("check-config", help="validate a config file and explain every problem")
-    p.add_argument("config")
+    p = sub.add_parser("check-config", help="validate a config file (or several, laid in order as --configfile lays "
+                       "them) and explain every problem")
+    p.add_argument("config", nargs="+")
+    p.add_argument("--config", dest="overrides", nargs="+", metavar="KEY=VALUE",
+                   help="top-level overrides, as Snakemake's --config (values read as YAML)")
     p.set_defaults(func=_cmd_check_config)
 
     p = sub.add_parser("cohort", help="build results/cohort (synthetic or real sources) without Snakemake")
