@@ -37,18 +37,26 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     """The config a run given ``--configfile FILE... [--config K=V...]`` sees, built and validated as the
     workflow builds it (:func:`fedhisto.config.command_line_config`)."""
-    import yaml
+    from snakemake.cli import parse_config  # Snakemake's own reading of --config (nested values stay strings)
 
     from fedhisto.config import command_line_config, load_config
 
-    overrides = {}
-    for item in args.overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--config {item!r}: expected KEY=VALUE")
-        overrides[key] = yaml.safe_load(value)
+    try:
+        overrides = parse_config(args.overrides or [])
+    except ValueError as exc:
+        raise ConfigError(f"--config {' '.join(args.overrides)}: {exc}") from None
     source = " + ".join(args.config) + (" + --config " + " ".join(args.overrides) if args.overrides else "")
-    cfg = load_config(command_line_config(args.config, overrides), source=source)
+    raw = command_line_config(args.config, overrides)
+    import jsonschema  # the workflow's first check: the JSON schema (the same one, a test keeps them equal)
+
+    from fedhisto.config import json_schema
+
+    try:
+        jsonschema.validate(raw, json_schema())
+    except jsonschema.ValidationError as exc:
+        where = ".".join(map(str, exc.absolute_path)) or "<root>"
+        raise ConfigError(f"invalid configuration ({source}): key '{where}': {exc.message}") from None
+    cfg = load_config(raw, source=source)
     print(f"{source}: valid (cohort mode {cfg.cohort.mode}, encoder {cfg.model.encoder.name}; as "
           f"`snakemake --configfile {' '.join(args.config)}` sees it)")
     return 0
@@ -363,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "them) and explain every problem")
     p.add_argument("config", nargs="+")
     p.add_argument("--config", dest="overrides", nargs="+", metavar="KEY=VALUE",
-                   help="top-level overrides, as Snakemake's --config (values read as YAML)")
+                   help="top-level overrides, read as Snakemake's --config reads them")
     p.set_defaults(func=_cmd_check_config)
 
     p = sub.add_parser("cohort", help="build results/cohort (synthetic or real sources) without Snakemake")
