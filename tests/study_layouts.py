@@ -54,7 +54,7 @@ def build_lc25000(root: Path, per_class: int, size: int = 96, seed: int = 0) -> 
     """``root/lung_image_sets`` with ``per_class`` JPEGs per class folder; returns that folder."""
     rng = np.random.default_rng(seed)
     base = root / "lung_image_sets"
-    for label, (folder, stem) in LC25000_FOLDERS.items():
+    for folder, stem in LC25000_FOLDERS.values():
         (base / folder).mkdir(parents=True, exist_ok=True)
         tint = rng.normal(0, 10, 3)
         for k in range(1, per_class + 1):

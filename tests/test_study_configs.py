@@ -163,3 +163,18 @@ def test_the_one_gpu_command_plans_the_study(roots_overlay: Path, snakemake_bin:
     proc = _snakemake(snakemake_bin, tmp_path, "-n", *args)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert _job_counts(proc.stdout + proc.stderr)["train_federated"] == 54
+
+
+def test_an_encoder_folder_of_another_architecture_under_paper_config_is_an_error_naming_it(tmp_path: Path):
+    """A ViT snapshot (Phikon's architecture, model_type 'vit') where config/paper.yaml expects HIBOU-B."""
+    import transformers
+
+    from fedhisto.model.encoder import EncoderLoadError, load_encoder
+
+    folder = tmp_path / "not-hibou"
+    folder.mkdir()
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64).save_pretrained(folder)
+    cfg = load_config_file(REPO / "config/paper.yaml").model.encoder.model_copy(update={"local_dir": str(folder)})
+    with pytest.raises(EncoderLoadError, match=re.escape(str(folder)) + r".*model_type 'vit' is not hibou-b's"):
+        load_encoder(cfg)

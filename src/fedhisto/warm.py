@@ -37,6 +37,7 @@ so running cold would only pay them twice (the first jobs of every run did: abou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import logging
@@ -326,11 +327,11 @@ def _reap(folder: str | None = None) -> None:
             return
         if pid == 0:
             return
-        if folder:
-            try:
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.waitstatus_to_exitcode(status)}"
+        log.info("warm server: child %d ended (%s), peak resident memory %.2f GiB", pid, how, usage.ru_maxrss / 2 ** 20)
+        if folder:  # a folder already gone (the server stopping): the job reports the death without its cause
+            with contextlib.suppress(OSError):
                 death_note(folder, pid, status, usage.ru_maxrss)
-            except OSError:
-                pass  # the folder is gone (the server is stopping): the job reports it without the cause
 
 
 def _alive(pid: int) -> bool:
