@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,16 +30,20 @@ def running(pid: int) -> bool:
     return True
 
 
-def death_note(folder: str | Path, pid: int, status: int, maxrss_kb: int) -> None:
-    """Record how a reaped child ``pid`` ended (``os.wait4``'s status and peak RSS) in ``folder``, for the
-    process waiting on its reply, which cannot reap it (:func:`read_death_note`). Only a child ended by a
-    signal is recorded: one that exits on its own sends its reply first."""
+def death_note(folder: str | Path | None, pid: int, status: int, maxrss_kb: int) -> str:
+    """How a reaped child ``pid`` ended (``os.wait4``'s status): ``exit N`` or ``signal N``. One ended by a
+    signal is also recorded in ``folder``, with its peak RSS, for the process waiting on its reply, which
+    cannot reap it (:func:`read_death_note`); one that exits on its own sent its reply first. A folder
+    already gone (the server stopping) records nothing: the job then reports the death without its cause."""
     if not os.WIFSIGNALED(status):
-        return
-    path = Path(folder) / f"ended-{pid}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": pid, "signal": os.WTERMSIG(status), "maxrss_kb": maxrss_kb}))
-    os.replace(tmp, path)
+        return f"exit {os.waitstatus_to_exitcode(status)}"
+    if folder is not None:
+        path = Path(folder) / f"ended-{pid}.json"
+        tmp = path.with_suffix(".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps({"pid": pid, "signal": os.WTERMSIG(status), "maxrss_kb": maxrss_kb}))
+            os.replace(tmp, path)
+    return f"signal {os.WTERMSIG(status)}"
 
 
 def read_death_note(folder: str | Path, pid: int, wait_s: float = 5.0) -> dict | None:

@@ -37,7 +37,6 @@ so running cold would only pay them twice (the first jobs of every run did: abou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import io
 import logging
@@ -327,11 +326,8 @@ def _reap(folder: str | None = None) -> None:
             return
         if pid == 0:
             return
-        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.waitstatus_to_exitcode(status)}"
+        how = death_note(folder, pid, status, usage.ru_maxrss)
         log.info("warm server: child %d ended (%s), peak resident memory %.2f GiB", pid, how, usage.ru_maxrss / 2 ** 20)
-        if folder:  # a folder already gone (the server stopping): the job reports the death without its cause
-            with contextlib.suppress(OSError):
-                death_note(folder, pid, status, usage.ru_maxrss)
 
 
 def _alive(pid: int) -> bool:
