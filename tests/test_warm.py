@@ -77,6 +77,20 @@ def test_a_child_runs_in_the_jobs_cwd_environment_streams_and_log(server, tmp_pa
     assert again["draw"] != out["draw"]
 
 
+def test_a_child_that_replied_exits_and_is_not_recorded_as_killed(server, tmp_path: Path):
+    """Its job closes the socket once the reply is in: the child's watcher must not SIGKILL it then (the
+    server would log the job as ended by a signal and leave a death note no one reads)."""
+    for _ in range(3):  # the job closing the socket races the child's exit: a few tries catch a kill
+        proc = _client(CALL + "print(json.dumps(call('warm_targets:describe', 'M2')))", server, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        child = json.loads(proc.stdout.splitlines()[-1])["pid"]
+        deadline = time.monotonic() + 60  # a hang guard: until the server has reaped it
+        while Path(f"/proc/{child}").exists():
+            assert time.monotonic() < deadline, "the child was not reaped"
+            time.sleep(0.05)
+        assert not (Path(server["socket"]).parent / f"ended-{child}.json").exists()
+
+
 def test_without_a_server_or_switched_off_the_job_runs_in_its_own_process(server, tmp_path: Path):
     code = CALL + "import os\nprint(json.dumps([os.getpid(), call('warm_targets:describe', 'M2')['pid']]))"
     alone = json.loads(_client(code, None, tmp_path).stdout.splitlines()[-1])

@@ -199,14 +199,19 @@ def _code_digest() -> str:
 
 
 # --------------------------------------------------------------------------------------------- child side
+_REPLIED = threading.Event()  # set in a child once its reply is sent: the job closing the socket then is the end
+
+
 def _watch_client(conn: socket.socket) -> None:
-    """End this child the moment its job process is gone (the socket closes): a killed job kills its work."""
+    """End this child the moment its job process is gone (the socket closes): a killed job kills its work.
+    Not once the reply is sent: the child is exiting, and a SIGKILL would read as a killed job."""
     try:
         while conn.recv(1 << 12):
             pass
     except OSError:
         pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    if not _REPLIED.is_set():
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _reseed_global_generators() -> None:
@@ -250,6 +255,7 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    _REPLIED.set()
     try:
         _send(conn, reply)
     except (pickle.PicklingError, TypeError, AttributeError):  # an unpicklable return value: the job still ends
