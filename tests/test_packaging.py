@@ -46,7 +46,7 @@ def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: 
     text = (repo / "README.md").read_text()
     blocks = re.findall(r"```text\n(.*?)```", text, flags=re.S)
     ci_steps = [step for _, command in lanes for step in _steps(command)]
-    for marker in ("pytest -m slurm", "pytest -m flower", "pytest -m zoo"):
+    for marker in ("pytest -m slurm", "pytest -m flower", "pytest -m zoo", "pytest -m study"):
         proof = next(b.strip() for b in blocks if marker in b)
         # every step of the README's proof runs in CI, in the README's order (pip may be called by path)
         steps = _steps(proof)

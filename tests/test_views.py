@@ -89,3 +89,62 @@ def test_single_view_pathway():
     assert v.shape == (3, 224, 224)
     (w,) = training_views(img, CFG, 1, 0, "aa", paired=False, stain_single=True)
     assert not torch.equal(v, w)
+
+
+def _field_1600x1200() -> np.ndarray:
+    """A LungHist700-shaped field (1200 rows, 1600 columns) whose every pixel says where it came from:
+    red = column / 1600, green = row / 1200 (scaled to 0..255), plus a centred black disc."""
+    rows, cols = np.mgrid[0:1200, 0:1600]
+    img = np.stack([cols * 255 // 1599, rows * 255 // 1199, np.full_like(rows, 128)], -1).astype(np.uint8)
+    img[(rows - 600) ** 2 + (cols - 800) ** 2 < 300 ** 2] = 0
+    return img
+
+
+def test_eval_resize_squash_is_the_default_and_the_old_transform_byte_for_byte():
+    import cv2
+
+    from fedhisto.views import eval_resize
+
+    img = _field_1600x1200()
+    assert ViewsConfig().eval_resize == "squash"
+    old = cv2.resize(img, (224, 224), interpolation=cv2.INTER_LINEAR)  # the transform before the option existed
+    assert np.array_equal(eval_resize(img, 224), old)
+    cfg = ViewsConfig()
+    assert torch.equal(eval_view(img, cfg), eval_view(img, ViewsConfig(eval_resize="squash")))
+    # squash keeps every column: the left and right edges' red survives at the output's edges
+    assert old[112, 0, 0] < 3 and old[112, -1, 0] > 252
+    # and changes the aspect ratio: the disc (600 px across, 1/2 of the height, 3/8 of the width) is 84 px wide, 112 tall
+    dark = old[..., 2] < 64
+    assert abs(dark.any(0).sum() - 84) <= 2 and abs(dark.any(1).sum() - 112) <= 2
+
+
+def test_eval_resize_keep_aspect_scales_the_shorter_side_and_crops_the_centre():
+    from fedhisto.views import eval_resize
+
+    img = _field_1600x1200()
+    out = eval_resize(img, 224, "keep_aspect")
+    assert out.shape == (224, 224, 3)
+    # 1200 -> 224 rows (every row kept: green spans 0..255); 1600 -> 299 columns, the centre 224 kept, so
+    # the first kept column is original column (299 - 224) // 2 / 224 * 1200 ~ 200 of 1600 (red ~ 32)
+    assert out[0, 112, 1] < 3 and out[-1, 112, 1] > 252
+    assert abs(int(out[112, 0, 0]) - 200 * 255 // 1599) <= 3 and abs(int(out[112, -1, 0]) - 1400 * 255 // 1599) <= 3
+    # the disc stays round: 600 px of 1200 rows -> 112 px both ways
+    dark = out[..., 2] < 64
+    assert abs(dark.any(0).sum() - 112) <= 2 and abs(dark.any(1).sum() - 112) <= 2
+    # a portrait field is cropped top and bottom; a square image is the same either way
+    tall = np.ascontiguousarray(img.transpose(1, 0, 2))
+    assert np.abs(eval_resize(tall, 224, "keep_aspect").astype(int) - out.transpose(1, 0, 2)).max() <= 1
+    square = img[:1200, 200:1400]
+    assert np.array_equal(eval_resize(square, 224, "keep_aspect"), eval_resize(square, 224, "squash"))
+    view = eval_view(img, ViewsConfig(eval_resize="keep_aspect"))
+    assert view.shape == (3, 224, 224) and not torch.equal(view, eval_view(img, CFG))
+
+
+def test_eval_resize_is_a_checked_config_key():
+    import pytest
+
+    from fedhisto.config import ConfigError, load_config
+
+    assert load_config({"views": {"eval_resize": "keep_aspect"}}).views.eval_resize == "keep_aspect"
+    with pytest.raises(ConfigError, match=r"views\.eval_resize"):
+        load_config({"views": {"eval_resize": "pad"}})

@@ -77,6 +77,20 @@ def test_a_child_runs_in_the_jobs_cwd_environment_streams_and_log(server, tmp_pa
     assert again["draw"] != out["draw"]
 
 
+def test_a_child_that_replied_exits_and_is_not_recorded_as_killed(server, tmp_path: Path):
+    """Its job closes the socket once the reply is in: the child's watcher must not SIGKILL it then (the
+    server would log the job as ended by a signal and leave a death note no one reads)."""
+    for _ in range(3):  # the job closing the socket races the child's exit: a few tries catch a kill
+        proc = _client(CALL + "print(json.dumps(call('warm_targets:describe', 'M2')))", server, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        child = json.loads(proc.stdout.splitlines()[-1])["pid"]
+        deadline = time.monotonic() + 60  # a hang guard: until the server has reaped it
+        while Path(f"/proc/{child}").exists():
+            assert time.monotonic() < deadline, "the child was not reaped"
+            time.sleep(0.05)
+        assert not (Path(server["socket"]).parent / f"ended-{child}.json").exists()
+
+
 def test_without_a_server_or_switched_off_the_job_runs_in_its_own_process(server, tmp_path: Path):
     code = CALL + "import os\nprint(json.dumps([os.getpid(), call('warm_targets:describe', 'M2')['pid']]))"
     alone = json.loads(_client(code, None, tmp_path).stdout.splitlines()[-1])
@@ -128,6 +142,32 @@ def test_a_config_crosses_as_an_equal_config(server, tmp_path: Path):
     proc = _client(code, server, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == load_config_file(REPO / "config/config.yaml").model_dump_json()
+
+
+def test_a_child_killed_by_sigkill_is_reported_as_killed_for_memory_with_its_job_and_peak(server, tmp_path: Path):
+    """As the OOM killer ends a job's warm child: the job fails naming itself, 'killed for memory', and the
+    child's peak resident memory (wait4's ru_maxrss: at least the 300 MiB it touched, plus the server's
+    imports it inherited, less than 300 MiB plus torch's ~1.5 GiB)."""
+    proc = _client(CALL + "call('warm_targets:grow_then_get_killed', 300, log_path='logs/train/past_v2/seed11.log')",
+                   server, tmp_path)
+    assert proc.returncode != 0
+    last = [line for line in proc.stderr.splitlines() if "WarmJobFailed" in line][-1]
+    assert "killed for memory" in last and "SIGKILL" in last
+    assert "warm_targets:grow_then_get_killed" in last and "logs/train/past_v2/seed11.log" in last
+    import re
+
+    peak = float(re.search(r"peak resident memory ([0-9.]+) GiB", last).group(1))
+    assert 300 / 1024 <= peak < (300 + 1536) / 1024, last
+    child = re.search(r"in warm child (\d+)", last).group(1)
+    assert not (Path(server["socket"]).parent / f"ended-{child}.json").exists()  # the note is read and removed
+
+
+def test_describe_death_without_a_note_or_with_another_signal():
+    from fedhisto.processes import describe_death
+
+    assert "ended without a reply" in describe_death("the job x", None)
+    text = describe_death("the job x", {"pid": 1, "signal": signal.SIGSEGV, "maxrss_kb": 2 * 1024 ** 2})
+    assert text == "the job x was ended by SIGSEGV (peak resident memory 2.00 GiB)"
 
 
 def test_killing_the_job_kills_its_child(server, tmp_path: Path):

@@ -35,8 +35,30 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = load_config_file(args.config)
-    print(f"{args.config}: valid (cohort mode {cfg.cohort.mode})")
+    """The config a run given ``--configfile FILE... [--config K=V...]`` sees, built and validated as the
+    workflow builds it (:func:`fedhisto.config.command_line_config`)."""
+    from snakemake.cli import parse_config  # Snakemake's own reading of --config (nested values stay strings)
+
+    from fedhisto.config import command_line_config, load_config
+
+    try:
+        overrides = parse_config(args.overrides or [])
+    except ValueError as exc:
+        raise ConfigError(f"--config {' '.join(args.overrides)}: {exc}") from None
+    source = " + ".join(args.config) + (" + --config " + " ".join(args.overrides) if args.overrides else "")
+    raw = command_line_config(args.config, overrides)
+    import jsonschema  # the workflow's first check: the JSON schema (the same one, a test keeps them equal)
+
+    from fedhisto.config import json_schema
+
+    try:
+        jsonschema.validate(raw, json_schema())
+    except jsonschema.ValidationError as exc:
+        where = ".".join(map(str, exc.absolute_path)) or "<root>"
+        raise ConfigError(f"invalid configuration ({source}): key '{where}': {exc.message}") from None
+    cfg = load_config(raw, source=source)
+    print(f"{source}: valid (cohort mode {cfg.cohort.mode}, encoder {cfg.model.encoder.name}; as "
+          f"`snakemake --configfile {' '.join(args.config)}` sees it)")
     return 0
 
 
@@ -345,8 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write", metavar="PATH", help=f"write it here (the workflow reads {SCHEMA_PATH})")
     p.set_defaults(func=_cmd_schema)
 
-    p = sub.add_parser("check-config", help="validate a config file and explain every problem")
-    p.add_argument("config")
+    p = sub.add_parser("check-config", help="validate a config file (or several, laid in order as --configfile lays "
+                       "them) and explain every problem")
+    p.add_argument("config", nargs="+")
+    p.add_argument("--config", dest="overrides", nargs="+", metavar="KEY=VALUE",
+                   help="top-level overrides, read as Snakemake's --config reads them")
     p.set_defaults(func=_cmd_check_config)
 
     p = sub.add_parser("cohort", help="build results/cohort (synthetic or real sources) without Snakemake")

@@ -10,6 +10,7 @@ The JSON schema in ``workflow/schemas/config.schema.json`` is generated from the
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -305,7 +306,7 @@ def load_config(raw: dict[str, Any] | None, source: str = "config") -> Config:
         raise ConfigError(_format_errors(exc, source)) from None
 
 
-def load_config_file(path: str | Path) -> Config:
+def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file not found: {p}")
@@ -315,7 +316,39 @@ def load_config_file(path: str | Path) -> Config:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(raw).__name__}")
-    return load_config(raw, source=str(p))
+    return raw
+
+
+def layer(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` laid on ``base`` as Snakemake lays config files (``snakemake.utils.update_config``): mappings
+    merge key by key, anything else (a list, a value) replaces; neither argument changes."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = layer(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def command_line_config(files: list[str | Path], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The raw config of a run given config files on the command line: the files laid on one another in
+    order, then ``--config key=value`` overrides, over nothing else. The Snakefile's own
+    ``config/config.yaml`` (the embedded default) is not underneath: a file on the command line is a whole
+    study setup (``config/paper.yaml``), and the default's blocks for its tiny encoder (``model.pretrain``,
+    its learning rate and widths) would otherwise pass into a HIBOU-B run. Keys a file leaves out take
+    the typed models' defaults, which are the study's numbers. The workflow (workflow/rules/common.smk)
+    and ``fedhisto check-config`` both build a run's config here."""
+    raw: dict[str, Any] = {}
+    for path in files:
+        raw = layer(raw, read_config_file(path))
+    return layer(raw, overrides or {})
+
+
+def load_config_file(path: str | Path, *more: str | Path) -> Config:
+    """One config file (or several, laid in order as on Snakemake's command line), validated."""
+    paths = [path, *more]
+    return load_config(command_line_config(paths), source=" + ".join(map(str, paths)))
 
 
 def json_schema() -> dict[str, Any]:

@@ -194,6 +194,10 @@ class ViewsConfig(Strict):
     brightness: tuple[float, float] = (0.92, 1.08)
     contrast: tuple[float, float] = (0.92, 1.08)
     single_view_stain: bool = Field(False, description="[ours] baselines and v1: shared geometry, no stain perturbation")
+    eval_resize: Literal["squash", "keep_aspect"] = Field(
+        "squash", json_schema_extra=IF_CHANGED, description="evaluation input: squash (the study's 'whole-image resize' "
+        "read literally: both sides to crop_size, aspect ratio changed) | keep_aspect ([ours] shorter side to crop_size, "
+        "then the centre crop_size square: tissue keeps its shape, the longer side's edges are dropped)")
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     normalisation: Literal["imagenet", "encoder"] = Field(

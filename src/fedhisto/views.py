@@ -6,7 +6,8 @@ U(-10, 10) degrees, bilinear, white fill) and each gets its own optical-density 
 perturbation (3 x 3 matrix I + N(0, 0.025^2), diagonal scaled U(0.78, 1.22), OD clipped to
 [0, 5]) followed by brightness and contrast factors U(0.92, 1.08). Every draw comes from a
 generator seeded by (run seed, epoch, sample id), so a view is reproducible on its own.
-Evaluation: deterministic whole-image resize to 224. Both end with ImageNet normalisation.
+Evaluation: deterministic whole-image resize to 224 (``views.eval_resize``: squash, the default, or
+keep_aspect: see :func:`eval_resize`). Both end with ImageNet normalisation.
 """
 
 from __future__ import annotations
@@ -98,9 +99,30 @@ def training_views(rgb: np.ndarray, cfg: ViewsConfig, seed: int, epoch: int, sam
     return [normalise(stain_perturb(geo, rng, cfg) if perturb else geo / 255.0, cfg)]
 
 
+def eval_resize(rgb: np.ndarray, size: int, mode: str = "squash") -> np.ndarray:
+    """The evaluation image at ``size`` x ``size`` (``views.eval_resize``).
+
+    ``squash``: both sides to ``size`` (the study's "whole-image resize", read literally); a 1600 x 1200
+    LungHist700 field is compressed 1.33x more across than down, so nuclei and glands change shape
+    between the square training tiles and such a field. ``keep_aspect``: the shorter side to ``size``,
+    then the centre square. Cropping, not padding: a padded border is white (or black) background
+    the encoder never saw as a large band in training, and it shrinks the tissue further; the crop
+    keeps the scale of the shorter side and drops only the longer side's edges (1/8 on each side of a
+    4:3 field). Square images give the same pixels either way."""
+    h, w = rgb.shape[:2]
+    if mode == "squash" or h == w:
+        return cv2.resize(rgb, (size, size), interpolation=cv2.INTER_LINEAR)
+    if mode != "keep_aspect":
+        raise ValueError(f"views.eval_resize: unknown mode {mode!r} (squash | keep_aspect)")
+    scale = size / min(h, w)
+    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+    out = cv2.resize(rgb, (nw, nh), interpolation=cv2.INTER_LINEAR)  # as squash: only the geometry differs
+    top, left = (nh - size) // 2, (nw - size) // 2
+    return np.ascontiguousarray(out[top:top + size, left:left + size])
+
+
 def eval_view(rgb: np.ndarray, cfg: ViewsConfig) -> torch.Tensor:
-    out = cv2.resize(rgb, (cfg.crop_size, cfg.crop_size), interpolation=cv2.INTER_LINEAR)
-    return normalise(out / 255.0, cfg)
+    return normalise(eval_resize(rgb, cfg.crop_size, cfg.eval_resize) / 255.0, cfg)
 
 
 def denormalise(t: torch.Tensor, cfg: ViewsConfig) -> np.ndarray:

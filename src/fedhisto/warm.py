@@ -56,7 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedhisto.processes import running
+from fedhisto.processes import death_note, describe_death, read_death_note, running
 
 ENV_SOCKET = "FEDHISTO_WARM_SOCKET"
 ENV_SWITCH = "FEDHISTO_WARM"  # "0": no server, every job in its own process
@@ -73,7 +73,8 @@ log = logging.getLogger(__name__)
 
 
 class WarmJobFailed(RuntimeError):
-    """The forked child of a job ended without a reply (killed, or crashed below Python)."""
+    """The forked child of a job ended without a reply (killed, or crashed below Python); the message says
+    which signal and the child's peak resident memory when the server saw it end (a SIGKILL: for memory)."""
 
 
 def _resolve(target: str) -> Callable[..., Any]:
@@ -171,9 +172,10 @@ def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) ->
             try:
                 reply, _ = _recv(conn)
             except EOFError:
-                raise WarmJobFailed(f"the warm child {started.get('pid')} running {target} ended without a reply "
-                                    "(killed, or it crashed; see the job's log"
-                                    f"{f' {log_path}' if log_path else ''})") from None
+                pid = started.get("pid")
+                note = read_death_note(os.path.dirname(path), pid) if isinstance(pid, int) else None
+                job = f"the job {target}{f' (log {log_path})' if log_path else ''}, in warm child {pid},"
+                raise WarmJobFailed(describe_death(job, note)) from None
     if started["status"] == "cold":
         return _resolve(target)(*args, **kwargs)
     if reply["status"] == "ok":
@@ -197,14 +199,19 @@ def _code_digest() -> str:
 
 
 # --------------------------------------------------------------------------------------------- child side
+_REPLIED = threading.Event()  # set in a child once its reply is sent: the job closing the socket then is the end
+
+
 def _watch_client(conn: socket.socket) -> None:
-    """End this child the moment its job process is gone (the socket closes): a killed job kills its work."""
+    """End this child the moment its job process is gone (the socket closes): a killed job kills its work.
+    Not once the reply is sent: the child is exiting, and a SIGKILL would read as a killed job."""
     try:
         while conn.recv(1 << 12):
             pass
     except OSError:
         pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    if not _REPLIED.is_set():
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _reseed_global_generators() -> None:
@@ -248,6 +255,7 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    _REPLIED.set()
     try:
         _send(conn, reply)
     except (pickle.PicklingError, TypeError, AttributeError):  # an unpicklable return value: the job still ends
@@ -270,7 +278,7 @@ def serve(socket_path: str, parent_pid: int | None, preload: tuple[str, ...] = P
     log.info("warm server %d listening on %s (preloaded %s)", os.getpid(), socket_path, ", ".join(preload))
     try:
         while True:
-            _reap()
+            _reap(os.path.dirname(socket_path))
             if parent_pid is not None and not _alive(parent_pid):
                 log.info("warm server: parent %d is gone, stopping", parent_pid)
                 return
@@ -314,14 +322,18 @@ def _serve_one(server: socket.socket, code: str) -> bool:
     return False
 
 
-def _reap() -> None:
+def _reap(folder: str | None = None) -> None:
+    """Reap ended children; one ended by a signal (the OOM killer's SIGKILL) leaves a note in ``folder``
+    for its job, which waits on the socket and cannot see the exit status itself."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        how = death_note(folder, pid, status, usage.ru_maxrss)
+        log.info("warm server: child %d ended (%s), peak resident memory %.2f GiB", pid, how, usage.ru_maxrss / 2 ** 20)
 
 
 def _alive(pid: int) -> bool:

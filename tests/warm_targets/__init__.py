@@ -30,3 +30,12 @@ def sleep_forever(pid_file: str) -> None:
     Path(pid_file).write_text(str(os.getpid()))
     while True:
         time.sleep(0.1)
+
+
+def grow_then_get_killed(megabytes: int) -> None:
+    """Touch ``megabytes`` of memory, then die as the kernel's out-of-memory killer ends a process."""
+    import signal
+
+    block = bytearray(megabytes << 20)
+    block[:: 4096] = b"\x01" * len(block[:: 4096])  # every page resident
+    os.kill(os.getpid(), signal.SIGKILL)

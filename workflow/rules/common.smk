@@ -5,18 +5,34 @@ import os
 from snakemake.utils import validate
 
 from fedhisto.bootstrap import comparison_files
-from fedhisto.config import load_config
+from fedhisto.config import command_line_config, load_config
 from fedhisto.experiments import layout as experiment_layout
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.realdata.listing import sources_inventory
 from fedhisto.zoo import encoder_entry
 from fedhisto.stage_config import stage_block
+from fedhisto.processes import available_memory_mb
 from fedhisto.warm import start_server, stop_server as stop_warm_server
 
 
+# A config file given on the command line (--configfile) is a whole study setup: the run's config is those
+# files laid in order, then --config, over nothing else, not over the Snakefile's config/config.yaml.
+# Snakemake would lay them over the embedded default, whose tiny-encoder blocks (model.pretrain, the tiny
+# widths, lr 1e-3, its method list) then pass into config/paper.yaml's HIBOU-B run: a parse error at best,
+# a silently different study at worst. Making only the tiny blocks conditional would still let every other
+# default key (seeds, rounds, bootstrap resamples) leak; replacing the base leaves none. Keys a file leaves
+# out take the typed models' defaults (the study's numbers). `fedhisto check-config FILE...` builds the
+# config with the same function.
+if workflow.config_settings.configfiles:
+    _given = command_line_config(workflow.config_settings.configfiles, dict(workflow.config_settings.config))
+    config.clear()
+    config.update(_given)
+    CONFIG_SOURCE = "config (" + " + ".join(map(str, workflow.config_settings.configfiles)) + ", then --config)"
+else:
+    CONFIG_SOURCE = "config (config/config.yaml, then --config overrides)"
 validate(config, schema="../schemas/config.schema.json", set_default=False)
-CFG = load_config(config, source="config (after --configfile/--config overrides)")
+CFG = load_config(config, source=CONFIG_SOURCE)
 
 ENV = "../../envs/fedhisto.yaml"
 # The embedded default's clearance (~500 images) takes one core, so that the tiny encoder's pretraining,
@@ -26,6 +42,29 @@ CLEARANCE_THREADS = 1 if CFG.cohort.mode == "synthetic" else 2
 # scheduler started pretraining and the communication accounting first (1 thread each) and the 2-thread
 # cohort job waited for a core pair: 43 s to the first training job instead of about 25 s.
 CRITICAL_PATH_PRIORITY = 10
+
+
+def limit_local_memory(wf):
+    """A local run schedules its jobs within the host's memory: unless the user gave --resources mem_mb=...,
+    the host's available memory (MemAvailable at parse time) is the run's mem_mb budget, so that jobs whose
+    declared mem_mb (the measured peak of the encoder in use) do not fit side by side wait instead of being
+    killed by the kernel's out-of-memory killer (two HIBOU-B trainings on a 24 GiB machine). A job that
+    declares more than the host has is held to the host's memory and runs alone. Cluster runs (the scheduler
+    enforces each job's mem_mb) and dry runs are left as they are."""
+    if wf.global_resources.get("mem_mb").value is not None:
+        return None  # the user's own budget
+    try:
+        remote = wf.remote_exec or not wf.local_exec
+    except Exception:  # Snakemake's API moved: treat it as local, the safer side
+        remote = False
+    host = available_memory_mb()
+    if remote or host is None:
+        return None
+    wf.global_resources["mem_mb"] = host
+    return host
+
+
+HOST_MEM_MB = limit_local_memory(workflow)
 
 
 # The scripts that hand their stage to the warm server (fedhisto.warm.call): the torch stages, and the
