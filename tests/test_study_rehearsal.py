@@ -88,7 +88,13 @@ def test_table2_is_built_exactly_as_the_overlay_asks(rehearsal: dict):
     table2 = _csv(rehearsal["workdir"] / "results/tables/table2_partitions.csv")
     assert table2, "Table 2 as built is empty"
     summary = json.loads((rehearsal["workdir"] / "results/manifest/manifest.json").read_text())
-    assert summary["boundary_audit"]["cross_boundary_family_edges"] == []
+    audit = summary["boundary_audit"]
+    assert audit["cross_boundary_family_edges"] == [] and audit["cross_boundary_metadata_edges"] == []
+    # WSSS4LUAD's slides (three tiles each, from the names) and LungHist700's patients (data.csv): every one
+    # of them in one partition, said so by the audit
+    assert audit["patients_spanning_partitions"] == []
+    assert audit["patients_or_slides"] > 0 and set(audit["metadata_edges_by_origin"]) == {"slide", "patient"}
+    assert "0 of " in audit["result"] and "patients/slides span two partitions" in audit["result"]
 
 
 def test_every_run_trained_hibou_b_from_the_local_snapshot_and_predicted(rehearsal: dict):
@@ -114,6 +120,10 @@ def test_the_bootstrap_and_the_report_are_there(rehearsal: dict):
     doc = json.loads((wd / "results/bootstrap/v2_vs_fedavg.json").read_text())
     assert doc["n_resamples"] == 200 and doc["method"] == "past_v2" and doc["reference"] == "fedavg_peft"
     assert set(doc["metrics"]) >= {"macro_f1"}
+    # the external cohort's patients are known (LungHist700's table): a patient-level interval beside the image one
+    assert doc["interval_unit"] == "image" and doc["patient_level"]["n_patients"] == 6
+    units = {r["unit"] for r in _csv(wd / "results/tables/table6_bootstrap.csv")}
+    assert units == {"image", "patient"}
     for name in ("table4_internal.csv", "table5_external.csv", "table6_bootstrap.csv"):
         assert _csv(wd / "results/tables" / name), name
     html = (wd / "report.html").read_text(errors="replace")
