@@ -203,6 +203,56 @@ def link_benchmark(shared: Path, links: list[str], corpora: list[str], degrade: 
             compare_links(f"real-tile families ({len(originals)} x 20)", fam_paths, fam_truth, links, threads)
 
 
+def parse_zoom(spec: str) -> list[float]:
+    """``off`` (no zoom views) or comma-separated factors, e.g. ``1.6`` or ``1.4,1.9``."""
+    return [] if spec == "off" else [float(z) for z in spec.split(",")]
+
+
+def zoom_benchmark(shared: Path, zooms: list[str], distractors: int, threads: int) -> None:
+    """The real LC25000 sample alone, then among distractors: synthetic LC25000-shaped families
+    (``distractors`` images) and LC25000-recipe families of the shared folder's non-LC25000 real pictures
+    (19 x 20). Per ``clearance.zoom_views`` setting: pairwise precision / recall over the whole corpus,
+    the sample's true pairs proposed as candidates, families split / merged, time and candidate counts."""
+    if not (shared / "realdata" / "MANIFEST.tsv").exists():
+        print("[zoom] skipped: no realdata folder")
+        return
+    rows = lc25000_rows(shared)
+    sample = [str(shared / "realdata" / r["path"]) for r in rows]
+    sample_truth = [r["family"] for r in rows]
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "syn").mkdir()
+        (Path(tmp) / "real").mkdir()
+        syn_paths, syn_truth = lc25000_like_corpus(Path(tmp) / "syn", distractors)
+        pics = real_originals(shared)[:19]  # WSSS4LUAD tiles and tiatoolbox crops: no LC25000 picture
+        real_paths, real_truth = augmentation_families(pics, Path(tmp) / "real")
+        corpora = [("real sample", sample, sample_truth),
+                   (f"real sample + {len(syn_paths) + len(real_paths)} distractors", sample + syn_paths + real_paths,
+                    sample_truth + [f"syn-{t}" for t in syn_truth] + [f"tile-{t}" for t in real_truth])]
+        for label, paths, truth in corpora:
+            true_pairs = {(i, j) for i in range(len(sample)) for j in range(i + 1, len(sample))
+                          if truth[i] == truth[j]}
+            print(f"[zoom] {label}: {len(paths)} images, {len(true_pairs)} true pairs among the real sample")
+            for spec in zooms:
+                cfg = ClearanceConfig(zoom_views=parse_zoom(spec))
+                t0 = time.perf_counter()
+                res = audit_images(paths, cfg, threads=threads, progress=False)
+                secs = time.perf_counter() - t0
+                found = families_from(res.families, len(paths))
+                s = pairwise_scores(truth, found)
+                s_real = pairwise_scores(sample_truth, found[:len(sample)])
+                split, families, merged = split_and_merged(truth, found)
+                proposed = {(min(e["a"], e["b"]), max(e["a"], e["b"])) for e in res.edges if e["stage"] != "link"}
+                st = res.stats
+                print(f"[zoom] {label} zoom {spec:>7s}: pairwise P {s['precision']:.4f} R {s['recall']:.4f} "
+                      f"(real sample P {s_real['precision']:.4f} R {s_real['recall']:.4f}); "
+                      f"sample true pairs proposed {len(true_pairs & proposed)} / {len(true_pairs)}; "
+                      f"split {split} / {families}, merged {merged}; {secs:.1f} s ({1000 * secs / len(paths):.1f} "
+                      f"ms/image; fingerprint {st['seconds']['fingerprint']} s, candidates "
+                      f"{st['seconds']['candidates']} s, verify {st['seconds']['verify']} s); candidates "
+                      f"{st['candidates']}, zoom-only {st.get('zoom_pairs', 0)}, verified {st['verified']}, "
+                      f"confirmed by stage {st['confirmed_by_stage']}")
+
+
 def planted_benchmark(links: list[str], threads: int) -> None:
     """The embedded default's synthetic cohort (originals plus planted transformed copies)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -306,17 +356,24 @@ def main() -> None:
                         choices=["sample", "degraded", "real-families", "planted"],
                         help="corpora the --links settings are compared on (the --sizes corpora always are)")
     parser.add_argument("--degrade", nargs="*", default=["80:50", "64:40"], help="SIZE:QUALITY of the degraded sample")
+    parser.add_argument("--zoom", nargs="*", default=[],
+                        help="clearance.zoom_views settings to compare on the real sample with and without "
+                             "distractors, e.g. off 1.6 (off: none)")
+    parser.add_argument("--distractors", type=int, default=1000, help="synthetic distractor images for --zoom")
     parser.add_argument("--skip-real", action="store_true", help="skip section 1 (real sample, imagededup)")
     parser.add_argument("--skip-imagededup", action="store_true")
     args = parser.parse_args()
     shared = Path(args.shared)
     if not args.skip_real:
         real_benchmark(shared, args.threads, with_imagededup=not args.skip_imagededup)
+    if args.zoom:
+        zoom_benchmark(shared, args.zoom, args.distractors, args.threads)
     if args.links:
         link_benchmark(shared, args.links, args.corpora, args.degrade, args.threads)
         if "planted" in args.corpora:
             planted_benchmark(args.links, args.threads)
-    scale_benchmark(args.sizes, args.threads, args.links)
+    if args.sizes:
+        scale_benchmark(args.sizes, args.threads, args.links)
 
 
 if __name__ == "__main__":
