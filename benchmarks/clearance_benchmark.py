@@ -208,7 +208,33 @@ def parse_zoom(spec: str) -> list[float]:
     return [] if spec == "off" else [float(z) for z in spec.split(",")]
 
 
-def zoom_benchmark(shared: Path, zooms: list[str], distractors: int, threads: int) -> None:
+def zoom_isolated(paths: list[str], truth: list[str], near: float = 1.35) -> tuple[list[int], list[int]]:
+    """Indices of a sub-sample where one member per family has only relatives at another zoom: per
+    family, the member with the most relatives that verify (>= 10 inliers) at a scale ratio beyond
+    ``near``; its relatives within ``near`` of its own scale are left out. Returns (kept, isolated)."""
+    from fedhisto.clearance.verify import extract, make_detector, verify
+    from fedhisto.imageio import load_rgb
+
+    det, norm = make_detector("sift", 400)
+    feats = [extract(load_rgb(p), det) for p in paths]
+    drop, isolated = set(), []
+    for fam in sorted(set(truth)):
+        members = [i for i, t in enumerate(truth) if t == fam]
+        best = None
+        for a in members:
+            verdicts = {b: verify(feats[a], feats[b], norm, 0.75, 10) for b in members if b != a}
+            near_ones = {b for b, v in verdicts.items() if v.inliers >= 5 and 1 / near < v.scale < near}
+            far = [b for b, v in verdicts.items() if b not in near_ones and v.confirmed(10)]
+            if len(far) >= 2 and (best is None or len(far) > best[0]):
+                best = (len(far), a, near_ones)
+        if best:
+            isolated.append(best[1])
+            drop |= best[2]
+    return [i for i in range(len(paths)) if i not in drop], isolated
+
+
+def zoom_benchmark(shared: Path, zooms: list[str], distractors: int, threads: int,
+                   which: tuple[str, ...] = ("sample", "distractors", "isolated")) -> None:
     """The real LC25000 sample alone, then among distractors: synthetic LC25000-shaped families
     (``distractors`` images) and LC25000-recipe families of the shared folder's non-LC25000 real pictures
     (19 x 20). Per ``clearance.zoom_views`` setting: pairwise precision / recall over the whole corpus,
@@ -225,12 +251,22 @@ def zoom_benchmark(shared: Path, zooms: list[str], distractors: int, threads: in
         syn_paths, syn_truth = lc25000_like_corpus(Path(tmp) / "syn", distractors)
         pics = real_originals(shared)[:19]  # WSSS4LUAD tiles and tiatoolbox crops: no LC25000 picture
         real_paths, real_truth = augmentation_families(pics, Path(tmp) / "real")
+        kept, isolated = zoom_isolated(sample, sample_truth)
+        lone = [sample[i] for i in isolated]
+        rest = [sample[i] for i in kept if i not in isolated]
+        others = syn_paths + real_paths
+        other_truth = [f"syn-{t}" for t in syn_truth] + [f"tile-{t}" for t in real_truth]
         corpora = [("real sample", sample, sample_truth),
-                   (f"real sample + {len(syn_paths) + len(real_paths)} distractors", sample + syn_paths + real_paths,
-                    sample_truth + [f"syn-{t}" for t in syn_truth] + [f"tile-{t}" for t in real_truth])]
-        for label, paths, truth in corpora:
-            true_pairs = {(i, j) for i in range(len(sample)) for j in range(i + 1, len(sample))
-                          if truth[i] == truth[j]}
+                   (f"real sample + {len(others)} distractors", sample + others, sample_truth + other_truth),
+                   (f"zoom-isolated real sample ({len(lone)} of {len(kept)} images with relatives only at another "
+                    f"zoom) + {len(others)} distractors", lone + rest + others,
+                    [sample_truth[i] for i in isolated] + [sample_truth[i] for i in kept if i not in isolated]
+                    + other_truth)]
+        for (label, paths, truth), name in zip(corpora, ("sample", "distractors", "isolated"), strict=True):
+            if name not in which:
+                continue
+            n_real = len(sample) if not label.startswith("zoom-isolated") else len(kept)
+            true_pairs = {(i, j) for i in range(n_real) for j in range(i + 1, n_real) if truth[i] == truth[j]}
             print(f"[zoom] {label}: {len(paths)} images, {len(true_pairs)} true pairs among the real sample")
             for spec in zooms:
                 cfg = ClearanceConfig(zoom_views=parse_zoom(spec))
@@ -239,10 +275,14 @@ def zoom_benchmark(shared: Path, zooms: list[str], distractors: int, threads: in
                 secs = time.perf_counter() - t0
                 found = families_from(res.families, len(paths))
                 s = pairwise_scores(truth, found)
-                s_real = pairwise_scores(sample_truth, found[:len(sample)])
+                s_real = pairwise_scores(truth[:n_real], found[:n_real])
                 split, families, merged = split_and_merged(truth, found)
                 proposed = {(min(e["a"], e["b"]), max(e["a"], e["b"])) for e in res.edges if e["stage"] != "link"}
                 st = res.stats
+                if label.startswith("zoom-isolated"):
+                    cut = [Path(paths[i]).name for i in range(len(lone))
+                           if sum(found[i] == found[j] for j in range(n_real) if truth[j] == truth[i]) == 1]
+                    print(f"[zoom] {label} zoom {spec}: members split from all their relatives: {len(cut)} {cut}")
                 print(f"[zoom] {label} zoom {spec:>7s}: pairwise P {s['precision']:.4f} R {s['recall']:.4f} "
                       f"(real sample P {s_real['precision']:.4f} R {s_real['recall']:.4f}); "
                       f"sample true pairs proposed {len(true_pairs & proposed)} / {len(true_pairs)}; "
@@ -360,6 +400,9 @@ def main() -> None:
                         help="clearance.zoom_views settings to compare on the real sample with and without "
                              "distractors, e.g. off 1.6 (off: none)")
     parser.add_argument("--distractors", type=int, default=1000, help="synthetic distractor images for --zoom")
+    parser.add_argument("--zoom-corpora", nargs="*", default=["sample", "distractors", "isolated"],
+                        choices=["sample", "distractors", "isolated"],
+                        help="--zoom corpora: the real sample alone, among distractors, zoom-isolated among distractors")
     parser.add_argument("--skip-real", action="store_true", help="skip section 1 (real sample, imagededup)")
     parser.add_argument("--skip-imagededup", action="store_true")
     args = parser.parse_args()
@@ -367,7 +410,7 @@ def main() -> None:
     if not args.skip_real:
         real_benchmark(shared, args.threads, with_imagededup=not args.skip_imagededup)
     if args.zoom:
-        zoom_benchmark(shared, args.zoom, args.distractors, args.threads)
+        zoom_benchmark(shared, args.zoom, args.distractors, args.threads, tuple(args.zoom_corpora))
     if args.links:
         link_benchmark(shared, args.links, args.corpora, args.degrade, args.threads)
         if "planted" in args.corpora:
