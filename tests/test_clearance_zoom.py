@@ -126,3 +126,15 @@ def test_centre_zoom_is_the_central_square():
 def test_zoom_views_out_of_range_are_refused(views, message):
     with pytest.raises(ValueError, match=message):
         ClearanceConfig(zoom_views=views)
+
+
+def test_benchmark_zoom_command_runs_and_skips_without_the_real_sample(tmp_path):
+    """The documented ``--zoom`` benchmark command parses and, without ``realdata/``, says it skipped."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(repo / "benchmarks" / "clearance_benchmark.py"), "--shared", str(tmp_path),
+                          "--skip-real", "--sizes", "--zoom", "off", "1.6", "--zoom-corpora", "isolated"],
+                         capture_output=True, text=True, check=True, cwd=repo)
+    assert out.stdout.strip() == "[zoom] skipped: no realdata folder"
