@@ -138,3 +138,17 @@ def test_benchmark_zoom_command_runs_and_skips_without_the_real_sample(tmp_path)
                           "--skip-real", "--sizes", "--zoom", "off", "1.6", "--zoom-corpora", "isolated"],
                          capture_output=True, text=True, check=True, cwd=repo)
     assert out.stdout.strip() == "[zoom] skipped: no realdata folder"
+
+
+@pytest.mark.parametrize(("stage", "suspect"), [("descriptor", True), ("phash", True), ("zoom", False)])
+def test_zoom_near_misses_do_not_make_families_suspect(stage, suspect):
+    """The second pass relaxes the threshold only on the sources it was measured on: a zoom-view pair
+    must verify outright (its near misses linked unrelated synthetic families in the benchmark)."""
+    from fedhisto.clearance.families import UnionFind
+    from fedhisto.clearance.linking import suspects
+
+    uf = UnionFind(4)
+    uf.union(0, 1)
+    uf.union(2, 3)
+    edges = [{"a": 0, "b": 2, "stage": stage, "decision": "rejected", "inliers": 7, "scale": 1.0}]
+    assert suspects(uf, edges, 5) == ({(0, 2): {(0, 2)}} if suspect else {})
