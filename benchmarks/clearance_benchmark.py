@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/clearance_benchmark.py [--shared ../shared] [--sizes 1000 3000] [--threads 2]
         [--links off 6x2 ...] [--corpora sample degraded real-families planted] [--degrade 80:50 ...]
+        [--zoom off 1.6 ...] [--zoom-corpora sample distractors isolated] [--distractors 1000]
         [--skip-real] [--skip-imagededup]
 
 1. Real images (``<shared>/realdata/lc25000-sample`` with curated family labels in MANIFEST.tsv):
