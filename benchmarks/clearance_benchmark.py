@@ -240,6 +240,29 @@ def zoom_benchmark(shared: Path, zooms: list[str], distractors: int, threads: in
     (``distractors`` images) and LC25000-recipe families of the shared folder's non-LC25000 real pictures
     (19 x 20). Per ``clearance.zoom_views`` setting: pairwise precision / recall over the whole corpus,
     the sample's true pairs proposed as candidates, families split / merged, time and candidate counts."""
+    if "planted" in which:  # the embedded default's synthetic cohort: what turning zoom views on would change
+        with tempfile.TemporaryDirectory() as tmp:
+            run_cohort(CohortConfig(), tmp, threads=threads)
+            srows = read_sources_csv(Path(tmp) / "sources.csv")
+            planted = {r["relpath"]: r["family"] for r in csv.DictReader((Path(tmp) / "planted_families.csv").open())}
+            truth = [f"planted-{planted[r.relpath]}" if r.relpath in planted else f"single-{r.relpath}" for r in srows]
+            first = None
+            for spec in zooms:
+                res = audit_images([r.path for r in srows], ClearanceConfig(zoom_views=parse_zoom(spec)),
+                                   threads=threads, progress=False)
+                found = families_from(res.families, len(srows))
+                s = pairwise_scores(truth, found)
+                split, families, merged = split_and_merged(truth, found)
+                print(f"[zoom] planted (embedded default) zoom {spec:>7s}: pairwise P {s['precision']:.4f} "
+                      f"R {s['recall']:.4f}; split {split} / {families}, merged {merged}; candidates "
+                      f"{res.stats['candidates']}, zoom-only {res.stats.get('zoom_pairs', 0)}, confirmed by stage "
+                      f"{res.stats['confirmed_by_stage']}")
+                members = {srows[i].relpath: frozenset(srows[j].relpath for j in f) for f in res.families for i in f}
+                if first is None:
+                    first = members
+                else:  # images whose family differs from the first setting's
+                    moved = sorted(r for r in members if members[r] != first[r])
+                    print(f"[zoom] planted (embedded default) zoom {spec}: images whose family changed: {moved}")
     if not (shared / "realdata" / "MANIFEST.tsv").exists():
         print("[zoom] skipped: no realdata folder")
         return
@@ -402,7 +425,7 @@ def main() -> None:
                              "distractors, e.g. off 1.6 (off: none)")
     parser.add_argument("--distractors", type=int, default=1000, help="synthetic distractor images for --zoom")
     parser.add_argument("--zoom-corpora", nargs="*", default=["sample", "distractors", "isolated"],
-                        choices=["sample", "distractors", "isolated"],
+                        choices=["sample", "distractors", "isolated", "planted"],
                         help="--zoom corpora: the real sample alone, among distractors, zoom-isolated among distractors")
     parser.add_argument("--skip-real", action="store_true", help="skip section 1 (real sample, imagededup)")
     parser.add_argument("--skip-imagededup", action="store_true")
