@@ -190,6 +190,8 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
         for pair, sim in knn_cosine(words, cfg.neighbours_per_image).items():
             nn[pair] = max(nn.get(pair, -1.0), sim)
         zoom = _zoom_pairs(prints, vocab, words, cfg, set(ph) | set(nn))
+    for p in prints:  # quantised: not needed again, and the verification workers fork after this
+        p.zoom_descriptors = []
     t_cand = time.perf_counter()
     # most similar first, so implied (already connected) pairs are skipped as early as possible
     candidates = sorted(set(ph) | set(nn) | set(zoom), key=lambda p: (p not in ph, -nn.get(p, zoom.get(p, 0.0)), p))
