@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/clearance_benchmark.py [--shared ../shared] [--sizes 1000 3000] [--threads 2]
         [--links off 6x2 ...] [--corpora sample degraded real-families planted] [--degrade 80:50 ...]
+        [--zoom off 1.6 ...] [--zoom-corpora sample distractors isolated] [--distractors 1000]
         [--skip-real] [--skip-imagededup]
 
 1. Real images (``<shared>/realdata/lc25000-sample`` with curated family labels in MANIFEST.tsv):
@@ -203,6 +204,119 @@ def link_benchmark(shared: Path, links: list[str], corpora: list[str], degrade: 
             compare_links(f"real-tile families ({len(originals)} x 20)", fam_paths, fam_truth, links, threads)
 
 
+def parse_zoom(spec: str) -> list[float]:
+    """``off`` (no zoom views) or comma-separated factors, e.g. ``1.6`` or ``1.4,1.9``."""
+    return [] if spec == "off" else [float(z) for z in spec.split(",")]
+
+
+def zoom_isolated(paths: list[str], truth: list[str], near: float = 1.35) -> tuple[list[int], list[int]]:
+    """Indices of a sub-sample where one member per family has only relatives at another zoom: per
+    family, the member with the most relatives that verify (>= 10 inliers) at a scale ratio beyond
+    ``near``; its relatives within ``near`` of its own scale are left out. Returns (kept, isolated)."""
+    from fedhisto.clearance.verify import extract, make_detector, verify
+    from fedhisto.imageio import load_rgb
+
+    det, norm = make_detector("sift", 400)
+    feats = [extract(load_rgb(p), det) for p in paths]
+    drop, isolated = set(), []
+    for fam in sorted(set(truth)):
+        members = [i for i, t in enumerate(truth) if t == fam]
+        best = None
+        for a in members:
+            verdicts = {b: verify(feats[a], feats[b], norm, 0.75, 10) for b in members if b != a}
+            near_ones = {b for b, v in verdicts.items() if v.inliers >= 5 and 1 / near < v.scale < near}
+            far = [b for b, v in verdicts.items() if b not in near_ones and v.confirmed(10)]
+            if len(far) >= 2 and (best is None or len(far) > best[0]):
+                best = (len(far), a, near_ones)
+        if best:
+            isolated.append(best[1])
+            drop |= best[2]
+    return [i for i in range(len(paths)) if i not in drop], isolated
+
+
+def zoom_benchmark(shared: Path, zooms: list[str], distractors: int, threads: int,
+                   which: tuple[str, ...] = ("sample", "distractors", "isolated")) -> None:
+    """The real LC25000 sample alone, then among distractors: synthetic LC25000-shaped families
+    (``distractors`` images) and LC25000-recipe families of the shared folder's non-LC25000 real pictures
+    (19 x 20). Per ``clearance.zoom_views`` setting: pairwise precision / recall over the whole corpus,
+    the sample's true pairs proposed as candidates, families split / merged, time and candidate counts."""
+    if "planted" in which:  # the embedded default's synthetic cohort: what turning zoom views on would change
+        with tempfile.TemporaryDirectory() as tmp:
+            run_cohort(CohortConfig(), tmp, threads=threads)
+            srows = read_sources_csv(Path(tmp) / "sources.csv")
+            planted = {r["relpath"]: r["family"] for r in csv.DictReader((Path(tmp) / "planted_families.csv").open())}
+            truth = [f"planted-{planted[r.relpath]}" if r.relpath in planted else f"single-{r.relpath}" for r in srows]
+            first = None
+            for spec in zooms:
+                res = audit_images([r.path for r in srows], ClearanceConfig(zoom_views=parse_zoom(spec)),
+                                   threads=threads, progress=False)
+                found = families_from(res.families, len(srows))
+                s = pairwise_scores(truth, found)
+                split, families, merged = split_and_merged(truth, found)
+                print(f"[zoom] planted (embedded default) zoom {spec:>7s}: pairwise P {s['precision']:.4f} "
+                      f"R {s['recall']:.4f}; split {split} / {families}, merged {merged}; candidates "
+                      f"{res.stats['candidates']}, zoom-only {res.stats.get('zoom_pairs', 0)}, confirmed by stage "
+                      f"{res.stats['confirmed_by_stage']}")
+                members = {srows[i].relpath: frozenset(srows[j].relpath for j in f) for f in res.families for i in f}
+                if first is None:
+                    first = members
+                else:  # images whose family differs from the first setting's
+                    moved = sorted(r for r in members if members[r] != first[r])
+                    print(f"[zoom] planted (embedded default) zoom {spec}: images whose family changed: {moved}")
+    if not (shared / "realdata" / "MANIFEST.tsv").exists():
+        print("[zoom] skipped: no realdata folder")
+        return
+    rows = lc25000_rows(shared)
+    sample = [str(shared / "realdata" / r["path"]) for r in rows]
+    sample_truth = [r["family"] for r in rows]
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "syn").mkdir()
+        (Path(tmp) / "real").mkdir()
+        syn_paths, syn_truth = lc25000_like_corpus(Path(tmp) / "syn", distractors)
+        pics = real_originals(shared)[:19]  # WSSS4LUAD tiles and tiatoolbox crops: no LC25000 picture
+        real_paths, real_truth = augmentation_families(pics, Path(tmp) / "real")
+        kept, isolated = zoom_isolated(sample, sample_truth)
+        lone = [sample[i] for i in isolated]
+        rest = [sample[i] for i in kept if i not in isolated]
+        others = syn_paths + real_paths
+        other_truth = [f"syn-{t}" for t in syn_truth] + [f"tile-{t}" for t in real_truth]
+        corpora = [("real sample", sample, sample_truth),
+                   (f"real sample + {len(others)} distractors", sample + others, sample_truth + other_truth),
+                   (f"zoom-isolated real sample ({len(lone)} of {len(kept)} images with relatives only at another "
+                    f"zoom) + {len(others)} distractors", lone + rest + others,
+                    [sample_truth[i] for i in isolated] + [sample_truth[i] for i in kept if i not in isolated]
+                    + other_truth)]
+        for (label, paths, truth), name in zip(corpora, ("sample", "distractors", "isolated"), strict=True):
+            if name not in which:
+                continue
+            n_real = len(sample) if not label.startswith("zoom-isolated") else len(kept)
+            true_pairs = {(i, j) for i in range(n_real) for j in range(i + 1, n_real) if truth[i] == truth[j]}
+            print(f"[zoom] {label}: {len(paths)} images, {len(true_pairs)} true pairs among the real sample")
+            for spec in zooms:
+                cfg = ClearanceConfig(zoom_views=parse_zoom(spec))
+                t0 = time.perf_counter()
+                res = audit_images(paths, cfg, threads=threads, progress=False)
+                secs = time.perf_counter() - t0
+                found = families_from(res.families, len(paths))
+                s = pairwise_scores(truth, found)
+                s_real = pairwise_scores(truth[:n_real], found[:n_real])
+                split, families, merged = split_and_merged(truth, found)
+                proposed = {(min(e["a"], e["b"]), max(e["a"], e["b"])) for e in res.edges if e["stage"] != "link"}
+                st = res.stats
+                if label.startswith("zoom-isolated"):
+                    cut = [Path(paths[i]).name for i in range(len(lone))
+                           if sum(found[i] == found[j] for j in range(n_real) if truth[j] == truth[i]) == 1]
+                    print(f"[zoom] {label} zoom {spec}: members split from all their relatives: {len(cut)} {cut}")
+                print(f"[zoom] {label} zoom {spec:>7s}: pairwise P {s['precision']:.4f} R {s['recall']:.4f} "
+                      f"(real sample P {s_real['precision']:.4f} R {s_real['recall']:.4f}); "
+                      f"sample true pairs proposed {len(true_pairs & proposed)} / {len(true_pairs)}; "
+                      f"split {split} / {families}, merged {merged}; {secs:.1f} s ({1000 * secs / len(paths):.1f} "
+                      f"ms/image; fingerprint {st['seconds']['fingerprint']} s, candidates "
+                      f"{st['seconds']['candidates']} s, verify {st['seconds']['verify']} s); candidates "
+                      f"{st['candidates']}, zoom-only {st.get('zoom_pairs', 0)}, verified {st['verified']}, "
+                      f"confirmed by stage {st['confirmed_by_stage']}")
+
+
 def planted_benchmark(links: list[str], threads: int) -> None:
     """The embedded default's synthetic cohort (originals plus planted transformed copies)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -306,17 +420,27 @@ def main() -> None:
                         choices=["sample", "degraded", "real-families", "planted"],
                         help="corpora the --links settings are compared on (the --sizes corpora always are)")
     parser.add_argument("--degrade", nargs="*", default=["80:50", "64:40"], help="SIZE:QUALITY of the degraded sample")
+    parser.add_argument("--zoom", nargs="*", default=[],
+                        help="clearance.zoom_views settings to compare on the real sample with and without "
+                             "distractors, e.g. off 1.6 (off: none)")
+    parser.add_argument("--distractors", type=int, default=1000, help="synthetic distractor images for --zoom")
+    parser.add_argument("--zoom-corpora", nargs="*", default=["sample", "distractors", "isolated"],
+                        choices=["sample", "distractors", "isolated", "planted"],
+                        help="--zoom corpora: the real sample alone, among distractors, zoom-isolated among distractors")
     parser.add_argument("--skip-real", action="store_true", help="skip section 1 (real sample, imagededup)")
     parser.add_argument("--skip-imagededup", action="store_true")
     args = parser.parse_args()
     shared = Path(args.shared)
     if not args.skip_real:
         real_benchmark(shared, args.threads, with_imagededup=not args.skip_imagededup)
+    if args.zoom:
+        zoom_benchmark(shared, args.zoom, args.distractors, args.threads, tuple(args.zoom_corpora))
     if args.links:
         link_benchmark(shared, args.links, args.corpora, args.degrade, args.threads)
         if "planted" in args.corpora:
             planted_benchmark(args.links, args.threads)
-    scale_benchmark(args.sizes, args.threads, args.links)
+    if args.sizes:
+        scale_benchmark(args.sizes, args.threads, args.links)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,22 @@ class ClearanceConfig(Strict):
                                                      "that link two families (a cross pair verifying outright always "
                                                      "links)")
     family_policy: Literal["representatives", "whole_families", "ignore_families"] = "representatives"
+    zoom_views: list[float] = Field(
+        default_factory=list,
+        description="candidate source for relatives at another zoom: visual words of each image's central crop "
+                    "zoomed by these factors (each in (1, 2.5]) are compared with the other images' words; "
+                    "[] (default): off. The study config uses [1.6] for LC25000's crop-and-zoom, whose "
+                    "relatives are up to ~1.9x apart (docs/clearance_benchmark.md)")
+
+    @model_validator(mode="after")
+    def _zoom_views_in_range(self) -> ClearanceConfig:
+        for z in self.zoom_views:
+            if not (1.0 < z <= 2.5):
+                raise ValueError(f"clearance.zoom_views: {z} is not a zoom factor in (1, 2.5] (the scale range a "
+                                 "confirmation accepts is 0.4-2.5)")
+        if len(set(self.zoom_views)) != len(self.zoom_views):
+            raise ValueError(f"clearance.zoom_views: {self.zoom_views} lists a factor twice")
+        return self
 
     @model_validator(mode="after")
     def _link_below_confirmation(self) -> ClearanceConfig:

@@ -6,6 +6,13 @@ and flip invariant), an angular-FFT magnitude of the polar-warped grey image (in
 rotation about the centre and to mirroring), and a radial colour profile. Candidates are
 each image's k nearest neighbours, so recall per image does not depend on a distance radius
 tuned on one corpus.
+
+Zoom views (``clearance.zoom_views``) add a third source: each image's visual words are also
+taken of its central crop zoomed back up, and an image's words are compared with every other
+image's zoom views. LC25000's crop-and-zoom leaves relatives 1.4-1.9x apart in scale; their
+whole-image words then share little (the wider view's keypoints mostly fall outside the other's
+field), so on real LC25000 families every pair the words and the global descriptor missed was
+such a pair; a centre crop at the family's zoom brings the two fields back into register.
 """
 
 from __future__ import annotations
@@ -52,32 +59,96 @@ def knn_pairs(desc: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, in
     return knn_cosine(z, k, chunk)
 
 
-def bag_of_words(descriptor_sets: list[np.ndarray], mirrored_sets: list[np.ndarray], n_words: int = 1024,
-                 seed: int = 0, sample: int = 20_000) -> np.ndarray:
+class Vocabulary:
+    """Visual words and their IDF weights, learnt once, so other views can be embedded alike."""
+
+    def __init__(self, kmeans, idf: np.ndarray) -> None:
+        self.kmeans, self.idf = kmeans, idf
+
+    def histograms(self, sets: list[np.ndarray]) -> np.ndarray:
+        hist = np.zeros((len(sets), len(self.idf)), np.float32)
+        for i, s in enumerate(sets):
+            if len(s):
+                hist[i] = np.bincount(self.kmeans.predict(np.asarray(s, np.float32)), minlength=len(self.idf))
+        return hist
+
+    def tfidf(self, hist: np.ndarray) -> np.ndarray:
+        tfidf = np.sqrt(hist) * self.idf
+        return tfidf / (np.linalg.norm(tfidf, axis=1, keepdims=True) + 1e-12)
+
+    def embed(self, descriptor_sets: list[np.ndarray], mirrored_sets: list[np.ndarray]) -> np.ndarray:
+        """TF-IDF rows of further views (direct + mirrored) under this vocabulary and IDF."""
+        if self.kmeans is None:
+            return np.zeros((len(descriptor_sets), 1), np.float32)
+        return self.tfidf(self.histograms(_stacked(descriptor_sets, mirrored_sets)))
+
+
+def _stacked(descriptor_sets: list[np.ndarray], mirrored_sets: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.vstack([d, m]).astype(np.float32) if len(d) else np.zeros((0, 128), np.float32)
+            for d, m in zip(descriptor_sets, mirrored_sets, strict=True)]
+
+
+def vocabulary(descriptor_sets: list[np.ndarray], mirrored_sets: list[np.ndarray], n_words: int = 1024,
+               seed: int = 0, sample: int = 20_000) -> tuple[Vocabulary, np.ndarray]:
     """TF-IDF visual-word histograms of local descriptors (direct + mirrored, so flips match).
 
     Near-duplicates share many local patches even when crops, zoom, stain or re-encoding move
     their global statistics; retrieving neighbours by shared visual words is the classic
-    remedy and costs one small k-means per run.
+    remedy and costs one small k-means per run. Returns the vocabulary (to embed other views
+    of the same images, e.g. zoom views) and the images' rows.
     """
     from sklearn.cluster import MiniBatchKMeans
 
-    sets = [np.vstack([d, m]).astype(np.float32) if len(d) else np.zeros((0, 128), np.float32)
-            for d, m in zip(descriptor_sets, mirrored_sets, strict=True)]
+    sets = _stacked(descriptor_sets, mirrored_sets)
     pool = np.vstack([s for s in sets if len(s)]) if any(len(s) for s in sets) else np.zeros((0, 128), np.float32)
     if len(pool) < 2:
-        return np.zeros((len(sets), 1), np.float32)
+        return Vocabulary(None, np.zeros(1)), np.zeros((len(sets), 1), np.float32)
     rng = np.random.default_rng(seed)
     train = pool[rng.choice(len(pool), size=min(sample, len(pool)), replace=False)]
     k = int(min(n_words, max(2, len(train) // 20)))
     km = MiniBatchKMeans(n_clusters=k, random_state=seed, batch_size=4096, n_init=1).fit(train)
-    hist = np.zeros((len(sets), k), np.float32)
-    for i, s in enumerate(sets):
-        if len(s):
-            hist[i] = np.bincount(km.predict(s), minlength=k)
-    idf = np.log((1 + len(sets)) / (1 + (hist > 0).sum(0)))
-    tfidf = np.sqrt(hist) * idf
-    return tfidf / (np.linalg.norm(tfidf, axis=1, keepdims=True) + 1e-12)
+    vocab = Vocabulary(km, np.zeros(k))
+    hist = vocab.histograms(sets)
+    vocab.idf = np.log((1 + len(sets)) / (1 + (hist > 0).sum(0)))
+    return vocab, vocab.tfidf(hist)
+
+
+def bag_of_words(descriptor_sets: list[np.ndarray], mirrored_sets: list[np.ndarray], n_words: int = 1024,
+                 seed: int = 0, sample: int = 20_000) -> np.ndarray:
+    """The images' TF-IDF visual-word rows (see ``vocabulary``)."""
+    return vocabulary(descriptor_sets, mirrored_sets, n_words, seed, sample)[1]
+
+
+def centre_zoom(rgb: np.ndarray, zoom: float) -> np.ndarray:
+    """The central square of side ``min(h, w) / zoom``: what a relative zoomed by ``zoom`` about the
+    centre shows (LC25000's crop-and-zoom keeps the centre; RANSAC on its real families puts the
+    centre of one relative within a few pixels of the other's for most pairs)."""
+    h, w = rgb.shape[:2]
+    side = max(round(min(h, w) / zoom), 8)
+    top, left = (h - side) // 2, (w - side) // 2
+    return np.ascontiguousarray(rgb[top:top + side, left:left + side])
+
+
+def knn_cross(queries: np.ndarray, targets: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, int], float]:
+    """Pairs (i, j), i != j, where target row j is among query row i's k most cosine-similar
+    targets, or query i among target j's k most similar queries; both sets index the same images."""
+    n = len(queries)
+    if n < 2:
+        return {}
+    k = min(k, n - 1)
+    pairs: dict[tuple[int, int], float] = {}
+    for rows, cols in ((queries, targets), (targets, queries)):
+        for start in range(0, n, chunk):
+            sim = rows[start:start + chunk] @ cols.T
+            for r in range(sim.shape[0]):
+                sim[r, start + r] = -np.inf
+            top = np.argpartition(-sim, k - 1, axis=1)[:, :k]
+            for r in range(sim.shape[0]):
+                i = start + r
+                for j in top[r].tolist():
+                    key = (min(i, j), max(i, j))
+                    pairs[key] = max(pairs.get(key, -np.inf), float(sim[r, j]))
+    return pairs
 
 
 def knn_cosine(vectors: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, int], float]:

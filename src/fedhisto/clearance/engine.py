@@ -9,7 +9,14 @@ from multiprocessing import get_context
 
 import numpy as np
 
-from fedhisto.clearance.candidates import bag_of_words, global_descriptor, knn_cosine, knn_pairs
+from fedhisto.clearance.candidates import (
+    centre_zoom,
+    global_descriptor,
+    knn_cosine,
+    knn_cross,
+    knn_pairs,
+    vocabulary,
+)
 from fedhisto.clearance.families import UnionFind, components
 from fedhisto.clearance.hashing import dihedral_phashes, exact_groups, phash_pairs, sha256_of
 from fedhisto.clearance.linking import link_families
@@ -33,6 +40,15 @@ class Fingerprint:
     descriptor: np.ndarray
     features: Features
     size: tuple[int, int]
+    #: (direct, mirrored) local descriptors of each ``clearance.zoom_views`` crop, for visual words only;
+    #: SIFT's integer-valued descriptors are kept as uint8 (exact, a quarter of the memory)
+    zoom_descriptors: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+
+
+def _compact(d: np.ndarray) -> np.ndarray:
+    if d.dtype == np.float32 and d.size and np.all(d == np.rint(d)) and d.min() >= 0 and d.max() <= 255:
+        return d.astype(np.uint8)
+    return d
 
 
 @dataclass
@@ -52,8 +68,12 @@ def _fingerprint(path: str) -> Fingerprint:
     if "detector" not in _STATE:
         _STATE["detector"] = make_detector(cfg.detector, cfg.n_features)[0]
     rgb = load_rgb(path)  # raises UnreadableImageError naming the file
+    zoom = []
+    for z in cfg.zoom_views:
+        f = extract(centre_zoom(rgb, z), _STATE["detector"])
+        zoom.append((_compact(f.descriptors), _compact(f.descriptors_mirror)))
     return Fingerprint(sha256_of(path), dihedral_phashes(rgb, cfg.dihedral_invariant), global_descriptor(rgb),
-                       extract(rgb, _STATE["detector"]), (rgb.shape[1], rgb.shape[0]))
+                       extract(rgb, _STATE["detector"]), (rgb.shape[1], rgb.shape[0]), zoom)
 
 
 def _verify_pair(pair: tuple[int, int]) -> tuple[tuple[int, int], Verdict | str]:
@@ -82,14 +102,22 @@ def _pool_map(fn, items: list, threads: int, desc: str, progress: bool) -> list:
     return out
 
 
-def _verify_batches(candidates, batch, digests, uf, ph, nn, cfg, edge, failures, verify_map, bar) -> None:
+def _proposer(pair, ph, nn, zoom, cfg) -> tuple[str, float, float]:
+    """(stage, score, threshold) of the candidate source that proposed ``pair``: PHash, else the
+    global-descriptor / visual-word neighbours, else the zoom views."""
+    if pair in ph:
+        return "phash", float(ph[pair]), cfg.phash_threshold
+    if pair in nn:
+        return "descriptor", nn[pair], 0
+    return "zoom", zoom[pair], 0
+
+
+def _verify_batches(candidates, batch, digests, uf, ph, nn, zoom, cfg, edge, failures, verify_map, bar) -> None:
     """Verify candidates most-similar first; a pair already joined by confirmed edges is 'implied'."""
     for start in range(0, len(candidates), batch):
         todo = []
         for pair in candidates[start:start + batch]:
-            stage = "phash" if pair in ph else "descriptor"
-            score = float(ph[pair]) if pair in ph else nn[pair]
-            threshold = cfg.phash_threshold if pair in ph else 0
+            stage, score, threshold = _proposer(pair, ph, nn, zoom, cfg)
             if digests[pair[0]] == digests[pair[1]]:
                 continue  # already an exact edge
             if uf.connected(*pair):
@@ -97,9 +125,7 @@ def _verify_batches(candidates, batch, digests, uf, ph, nn, cfg, edge, failures,
                 continue
             todo.append(pair)
         for pair, verdict in verify_map(todo):
-            stage = "phash" if pair in ph else "descriptor"
-            score = float(ph[pair]) if pair in ph else nn[pair]
-            threshold = cfg.phash_threshold if pair in ph else 0
+            stage, score, threshold = _proposer(pair, ph, nn, zoom, cfg)
             if isinstance(verdict, str):
                 failures.append({"a": pair[0], "b": pair[1], "error": verdict})
                 edge(*pair, stage, score, threshold, "failed")
@@ -109,6 +135,20 @@ def _verify_batches(candidates, batch, digests, uf, ph, nn, cfg, edge, failures,
                 uf.union(*pair)
             edge(*pair, stage, score, threshold, "confirmed" if ok else "rejected", verdict)
         bar.update(min(batch, len(candidates) - start))
+
+
+def _zoom_pairs(prints: list[Fingerprint], vocab, words: np.ndarray, cfg: ClearanceConfig,
+                known: set[tuple[int, int]]) -> dict[tuple[int, int], float]:
+    """Pairs proposed by the zoom views and by no other source: each image's words against every other
+    image's zoom-view words (same vocabulary and IDF, so the other sources' candidates do not move),
+    ``neighbours_per_image // 2`` per image and view, like the global descriptor's."""
+    out: dict[tuple[int, int], float] = {}
+    for v in range(len(cfg.zoom_views)):
+        views = vocab.embed([p.zoom_descriptors[v][0] for p in prints], [p.zoom_descriptors[v][1] for p in prints])
+        for pair, sim in knn_cross(words, views, max(cfg.neighbours_per_image // 2, 1)).items():
+            if pair not in known:
+                out[pair] = max(out.get(pair, -1.0), sim)
+    return out
 
 
 def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progress: bool = True) -> AuditResult:
@@ -140,16 +180,21 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     hashes = np.stack([p.phashes for p in prints]) if prints else np.zeros((0, 8), np.uint64)
     ph = {(a, b): d for a, b, d in phash_pairs(hashes, cfg.phash_threshold)}
     nn: dict[tuple[int, int], float] = {}
+    zoom: dict[tuple[int, int], float] = {}
     words = np.zeros((len(prints), 1), np.float32)
     if len(prints) > 1:
         # visual words rank transformed relatives best; the global descriptor adds a second opinion
         nn = knn_pairs(np.stack([p.descriptor for p in prints]), max(cfg.neighbours_per_image // 2, 1))
-        words = bag_of_words([p.features.descriptors for p in prints], [p.features.descriptors_mirror for p in prints])
+        vocab, words = vocabulary([p.features.descriptors for p in prints],
+                                  [p.features.descriptors_mirror for p in prints])
         for pair, sim in knn_cosine(words, cfg.neighbours_per_image).items():
             nn[pair] = max(nn.get(pair, -1.0), sim)
+        zoom = _zoom_pairs(prints, vocab, words, cfg, set(ph) | set(nn))
+    for p in prints:  # quantised: not needed again, and the verification workers fork after this
+        p.zoom_descriptors = []
     t_cand = time.perf_counter()
     # most similar first, so implied (already connected) pairs are skipped as early as possible
-    candidates = sorted(set(ph) | set(nn), key=lambda p: (p not in ph, -nn.get(p, 0.0), p))
+    candidates = sorted(set(ph) | set(nn) | set(zoom), key=lambda p: (p not in ph, -nn.get(p, zoom.get(p, 0.0)), p))
     _STATE["prints"] = prints
     failures: list[dict] = []
     batch = max(256, 64 * threads)
@@ -159,7 +204,7 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
     verify_map = (lambda items: pool.imap(_verify_pair, items, chunksize=8)) if pool else \
         (lambda items: map(_verify_pair, items))
     try:
-        _verify_batches(candidates, batch, digests, uf, ph, nn, cfg, edge, failures, verify_map, bar)
+        _verify_batches(candidates, batch, digests, uf, ph, nn, zoom, cfg, edge, failures, verify_map, bar)
         t_link = time.perf_counter()
         links = 0
         if cfg.link_min_inliers is not None:
@@ -181,11 +226,13 @@ def audit_images(paths: list[str], cfg: ClearanceConfig, threads: int = 1, progr
         "exact_groups": len(exact),
         "phash_pairs": len(ph),
         "descriptor_pairs": len(nn),  # global-descriptor and visual-word neighbours
+        **({"zoom_pairs": len(zoom)} if cfg.zoom_views else {}),  # proposed by the zoom views alone
         "candidates": len(candidates),
         "verified": verified,
         "implied": implied,
         "confirmed_by_stage": {s: sum(1 for e in edges if e["stage"] == s and e["decision"] == "confirmed")
-                               for s in ("exact", "phash", "descriptor", *(("link",) if links else ()))},
+                               for s in ("exact", "phash", "descriptor", *(("zoom",) if cfg.zoom_views else ()),
+                                         *(("link",) if links else ()))},
         "rejected": sum(1 for e in edges if e["decision"] == "rejected"),
         "families": sum(1 for f in fams if len(f) > 1),
         "images_in_families": sum(len(f) for f in fams if len(f) > 1),

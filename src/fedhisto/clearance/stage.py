@@ -105,7 +105,9 @@ def _report(audit: dict) -> str:
     lines = ["# Clearance report", "",
              f"- images: {s['images']}; exact-duplicate groups: {s['exact_groups']}",
              f"- candidates: {s['candidates']} ({s['phash_pairs']} PHash <= {audit['thresholds']['phash_threshold']}, "
-             f"{s['descriptor_pairs']} descriptor neighbours); verified {s['verified']}, implied {s['implied']}",
+             f"{s['descriptor_pairs']} descriptor neighbours"
+             + (f", {s['zoom_pairs']} zoom-view neighbours" if "zoom_pairs" in s else "")
+             + f"); verified {s['verified']}, implied {s['implied']}",
              f"- confirmed edges by stage: {s['confirmed_by_stage']}; rejected: {s['rejected']}",
              f"- families (2+ images): {s['families']} covering {s['images_in_families']} images; "
              f"largest {s['largest_family']}",
