@@ -44,6 +44,7 @@ from pydantic import Field
 from fedhisto.config_base import Strict
 from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
+from fedhisto.methods.dp_objective import objective_refusal
 from fedhisto.model.peft_model import FedHistoModel
 
 State = dict[str, torch.Tensor]
@@ -97,6 +98,11 @@ def pair_key(a_key: str) -> str:
 
 class FedAdam(Method):
     """fedavg_peft's clients with an adaptive server optimiser (see the module docstring)."""
+
+    def dp_refusal(self) -> str | None:
+        """Under DP the clients train the default objective per image; the server optimiser acts on the
+        noised states the sites return (post-processing), so it changes no epsilon."""
+        return objective_refusal(self.cfg)
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         p = self.settings

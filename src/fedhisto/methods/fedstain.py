@@ -172,6 +172,11 @@ class FedStain(Method):
     rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Client: statistics of ceil(r n_i) images
     before training; L = CE + alpha L_RA + beta L_JS over four views per batch (eq. 6)."""
 
+    def dp_refusal(self) -> str | None:
+        return ("its loss does not decompose per sample: the representation alignment is a supervised contrastive "
+                "loss (SupCon) whose every term is normalised over the other images of the batch; it also uploads "
+                "single images' style statistics (train.fedstain.upload_ratio rows) un-noised")
+
     def local_schedule(self, round_idx: int) -> LocalSchedule:
         """``train.fedstain.protocol``: ``study`` trains like every other method here (the comparison
         isolates the method); ``paper`` uses FedStain's own settings (its Tables I-II and code): Adam

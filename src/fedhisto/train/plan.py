@@ -27,7 +27,7 @@ class LocalResult:
     state: dict[str, torch.Tensor]
     n_samples: int
     losses: dict[str, float]
-    steps: int = 0          # optimiser steps taken (SCAFFOLD's K)
+    steps: int = 0          # optimiser steps taken (a control-variate method's K)
     optimizer_state: dict | None = None  # train.readings.optimizer_state kept: the client's AdamW state after
     #                                      training (train.optimizer_state.OptimizerState); stays at the client
 
