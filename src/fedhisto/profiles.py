@@ -57,6 +57,17 @@ PROFILES: dict[str, CohortProfile] = {
         test=(12, 12, 12),
         external=(24, 16, 24),
     ),
+    # The embedded default: "small"'s client pools and validation (training costs what it did), with
+    # evaluation sets large enough that one method's macro-F1 has a 95 % image-bootstrap interval of at
+    # most about +/-0.03 (docs/pipeline.md, "Evaluation set sizes"): an internal test of 600 images and
+    # the external cohort at the study's size and mix (LungHist700: 280 ACA / 151 Normal / 260 SCC).
+    "small_eval": CohortProfile(
+        clients={"C1": (12, 11, 14), "C2": (22, 20, 4), "C3": (9, 9, 16),
+                 "C4": (4, 4, 26), "C5": (26, 38, 0)},
+        validation=(12, 12, 12),
+        test=(200, 200, 200),
+        external=(280, 151, 260),
+    ),
     # Half of "small", same skew pattern: the training and Flower tests' shared cohort (every run on it
     # costs about half). Not a study size.
     "tiny": CohortProfile(
