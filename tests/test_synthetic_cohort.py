@@ -62,7 +62,7 @@ def test_originals_land_exactly_on_the_profile(profile: str):
     external = Counter(m.label for m in originals if m.cohort == "external")
     assert sum(internal.values()) == p.internal_total
     assert tuple(external[c] for c in CLASSES) == p.external
-    expected_internal = [sum(pool[c] for pool in p.clients.values()) + p.validation[c] + p.test[c]
+    expected_internal = [sum(pool[c] for pool in p.clients.values()) + p.validation[c] + p.test[c] + p.spare[c]
                          for c in range(3)]
     assert [internal[c] for c in CLASSES] == expected_internal
     per_site = Counter((m.site, m.label) for m in originals)
