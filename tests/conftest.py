@@ -77,6 +77,7 @@ def write_tiny_config(workdir: Path, max_rounds: int = 2) -> Path:
     """The embedded default shrunk for workflow tests: three methods (one keeping a model per client), one
     seed, few rounds, a 1-epoch pretrain."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cfg["cohort"]["synthetic"]["profile"] = "small"  # the default's pools, evaluation sets of 36 and 64 images
     cfg["train"].update(methods=["fedavg_peft", "past_v2", "local_only"], seeds=[11], ablations=[],
                         comparator_seeds=None, max_rounds=max_rounds)
     cfg["model"]["pretrain"].update(images_per_class=12, epochs=1)

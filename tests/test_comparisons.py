@@ -12,7 +12,7 @@ import pytest
 from sklearn.metrics import f1_score
 
 from fedhisto.bootstrap import comparison_files, run_bootstrap
-from fedhisto.config import ConfigError, load_config
+from fedhisto.config import ConfigError, load_config, load_config_file
 from fedhisto.evaluation import classification_metrics
 
 NAMES = ("ACA", "Normal", "SCC")
@@ -86,7 +86,7 @@ def test_ablation_bootstrap_compares_matched_ensembles_and_records_seeds(predict
     cfg = load_config(CFG)
     doc = _run(cfg, "v2_vs_no_js")
     assert doc["ablation"] is True and doc["n_resamples"] == 200
-    assert doc["ensemble"] == {"method_seeds": [11, 33, 55], "reference_seeds": [11, 33, 55],
+    assert doc["ensemble"] == {"seeds": [11, 33, 55], "method_seeds": [11, 33, 55], "reference_seeds": [11, 33, 55],
                                "method_models": ["global"], "reference_models": ["global"],
                                "method_checkpoints": 3, "reference_checkpoints": 3}
     m = doc["metrics"]["macro_f1"]
@@ -107,6 +107,68 @@ def test_run_bootstrap_refuses_files_and_seeds_that_disagree(predictions):
     with pytest.raises(ValueError, match=r"2 method prediction files for 3 seeds"):
         run_bootstrap("v2_vs_no_js", files["method"][1][:2], files["reference"][1], ([11, 33, 55], [11, 33, 55]),
                       cfg.bootstrap, "out.json")
+    five = comparison_files(cfg, "v2_vs_fedavg")["method"]
+    with pytest.raises(ValueError, match=r"v2_vs_no_js: the method's ensemble seeds \[11, 22, 33, 44, 55\] and the "
+                                         r"reference's \[11, 33, 55\] differ"):
+        run_bootstrap("v2_vs_no_js", five[1], files["reference"][1], (five[0], [11, 33, 55]), cfg.bootstrap, "out.json")
+
+
+def test_v2_enters_a_comparison_with_a_fewer_seed_comparator_on_those_seeds_only(predictions):
+    """fedavg_peft as an extra comparator on train.comparator_seeds 11/33/55 (here under another name):
+    v2 enters with 11/33/55, the macro-F1 1 of its matched ensemble, not the 1/6 of its five seeds."""
+    from fedhisto.methods import register, unregister
+
+    register("fedavg_extra", "fedhisto.methods.past:PastFamily", config_key="past",
+             settings="fedhisto.methods.past:PastConfig")
+    try:
+        for seed in (11, 33, 55):
+            _write("fedavg_extra", seed, _probs(FEDAVG, 0.7))
+        cfg = load_config({"train": {"methods": ["past_v2", "fedavg_extra"], "ablations": [],
+                                     "comparator_seeds": [11, 33, 55]},
+                           "bootstrap": {"comparisons": {"v2_vs_extra": {"method": "past_v2",
+                                                                         "reference": "fedavg_extra"}}}})
+        assert cfg.trained_seeds("past_v2") == [11, 22, 33, 44, 55]
+        assert cfg.comparison_seeds("v2_vs_extra") == ([11, 33, 55], [11, 33, 55])
+        doc = _run(cfg, "v2_vs_extra")
+        assert doc["ensemble"]["seeds"] == doc["ensemble"]["method_seeds"] == doc["ensemble"]["reference_seeds"]
+        assert doc["ensemble"]["method_checkpoints"] == doc["ensemble"]["reference_checkpoints"] == 3
+        assert doc["metrics"]["macro_f1"]["method"] == 1.0
+    finally:
+        unregister("fedavg_extra")
+
+
+def test_a_comparison_whose_methods_share_no_seed_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"bootstrap.comparisons.v2_vs_alone ensembles both methods on the seeds they "
+                                          r"share; its method 'past_v2' trains on train.seeds \[11\] and its reference "
+                                          r"'v2_no_js' on train.ablation_seeds \[99\]: no seed in common"):
+        load_config({"train": {"seeds": [11], "ablation_seeds": [99], "methods": ["past_v2"], "ablations": ["v2_no_js"]},
+                     "bootstrap": {"comparisons": {"v2_vs_alone": {"method": "past_v2", "reference": "v2_no_js"}}}})
+
+
+def test_every_comparison_the_pipeline_plans_ensembles_matched_seeds(repo: Path, snakemake_bin: str, tmp_path: Path):
+    """Through the real workflow: the embedded default's dry run, every bootstrap job's input files. Each
+    job's two ensembles cover the same seeds, the ones Config.comparison_seeds hands the script."""
+    import re
+    import shutil
+    import subprocess
+
+    shutil.copytree(repo / "config", tmp_path / "config")
+    proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(tmp_path), "-n", "all"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = re.findall(r"rule bootstrap_comparison:\n    input: (.*)\n    output: results/bootstrap/(\w+)\.json",
+                      proc.stdout + proc.stderr)
+    cfg = load_config_file(repo / "config/config.yaml")
+    assert sorted(name for _, name in jobs) == sorted(cfg.trained_comparisons()) and len(jobs) >= 15
+    unmatched_before = 0
+    for inputs, name in jobs:
+        comp = cfg.bootstrap.comparisons[name]
+        seeds: dict[str, list[int]] = {comp.method: [], comp.reference: []}
+        for method, seed in re.findall(r"results/predictions/(\w+)/seed(\d+)/external\.csv", inputs):
+            seeds[method].append(int(seed))
+        assert seeds[comp.method] == seeds[comp.reference] == cfg.comparison_seeds(name)[0], name
+        unmatched_before += cfg.trained_seeds(comp.method) != cfg.trained_seeds(comp.reference) and not comp.ablation
+    assert unmatched_before == 8  # the comparisons whose methods train on different seeds: matched here
 
 
 def test_tables_6_and_7_split_by_the_flag_and_print_bounded_p(predictions):

@@ -46,7 +46,7 @@ def test_default_yaml_takes_targets_from_profile(repo: Path):
 @pytest.mark.parametrize(
     ("raw", "fragments"),
     [
-        ({"cohort": {"synthetic": {"profile": "huge"}}}, ["cohort.synthetic.profile", "'small', 'paper' or 'tiny'", "'huge'"]),
+        ({"cohort": {"synthetic": {"profile": "huge"}}}, ["cohort.synthetic.profile", "'small', 'small_eval', 'paper' or 'tiny'", "'huge'"]),
         ({"cohort": {"colour": 1}}, ["unknown key 'cohort.colour'", "allowed keys here: mode, real, synthetic"]),
         ({"bogus": 1}, ["unknown key 'bogus'", "cohort"]),
         ({"train": {"lr": -1}}, ["train.lr", "greater than 0"]),

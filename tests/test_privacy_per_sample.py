@@ -12,11 +12,11 @@ import torch
 from fedhisto.config import ModelConfig
 from fedhisto.fedmath.losses import feature_consistency, js_divergence, prototype_v1, prototype_v2
 from fedhisto.methods.base import balanced_cross_entropy
+from fedhisto.methods.past import PastUnitLoss
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.privacy.dpsgd import clip_and_sum, flat_norms
 from fedhisto.privacy.per_sample import dropout_disabled, per_image_gradients, per_unit_gradients
-from fedhisto.privacy.unit_loss import PastUnitLoss
 
 D = 64  # tiny encoder width
 

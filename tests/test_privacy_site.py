@@ -11,13 +11,13 @@ import torch
 
 from fedhisto.config import ModelConfig
 from fedhisto.config_privacy import PrivacyConfig
+from fedhisto.methods.past import PastUnitLoss
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.privacy import rdp
 from fedhisto.privacy.accountant import PrivacyBudgetExceeded
 from fedhisto.privacy.dpsgd import privacy_units
 from fedhisto.privacy.site import DPSite
-from fedhisto.privacy.unit_loss import PastUnitLoss
 
 PRIV = PrivacyConfig(enabled=True, noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.5, delta=1e-2 / 2,
                      micro_batch=3, dropout="off")

@@ -1,4 +1,5 @@
-"""The privacy: config block, the refusals by name (fedhisto.privacy.support) and the noised prototype release."""
+"""The privacy: config block, the refusals by name (fedhisto.privacy.support, each method's own declaration),
+the noised prototype release and its own noise multiplier, and the sensitivity the clipping bounds."""
 
 from __future__ import annotations
 
@@ -56,17 +57,38 @@ def test_refusals_name_the_method_and_the_reason():
         load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "past_v2"]))
     ok = load_config(_cfg({"enabled": True, "prototypes": "noised"}, methods=["fedavg_peft", "past_v2", "fedprox_peft"]))
     assert ok.privacy.prototypes == "noised"
-    for name in ("local_only", "pooled", "film_zero", "v2_no_proto"):
-        assert support.method_refusal(name) is None, name
+    for name in ("local_only", "pooled", "film_zero", "v2_no_proto", "fedadam", "scaffold", "fedavg_peft_stain"):
+        assert support.method_refusal(name, cfg) is None, name
+    with pytest.raises(ConfigError, match=r"method 'scaffold' cannot train under DP-SGD: train.scaffold.variates: "
+                                          r"start_gradient uploads each site's full-data gradient"):
+        load_config(_cfg({"enabled": True}, methods=["scaffold"]) | {"train": {
+            **ONLY_FEDAVG["train"], "methods": ["scaffold"], "scaffold": {"variates": "start_gradient"}}})
 
 
-def test_an_unknown_method_class_is_refused_by_name():
-    register("my_method", "mypkg.methods:Mine")
+def test_the_objective_refuses_a_reading_without_a_per_image_form_by_name():
+    with pytest.raises(ConfigError, match=r"method 'fedavg_peft' cannot train under DP-SGD: "
+                                          r"train.readings.ce_reduction: weighted_mean divides"):
+        load_config(_cfg({"enabled": True}, readings={"ce_reduction": "weighted_mean"}))
+    ok = load_config(_cfg({"enabled": True}, readings={"ce_views": "sum"}))  # ce_views has a per-image form
+    assert ok.train.readings.ce_views == "sum"
+
+
+def test_a_method_that_declares_nothing_or_cannot_be_imported_is_refused_by_name():
+    from fedhisto.methods.base import Method
+
+    class Undeclared(Method):
+        pass
+
+    register("my_method", Undeclared)
+    register("my_missing", "mypkg.methods:Mine")
     try:
-        why = support.method_refusal("my_method")
-        assert why is not None and "mypkg.methods:Mine is not known to have a per-sample objective" in why
+        cfg = load_config(_cfg({"enabled": False}))
+        why = support.method_refusal("my_method", cfg)
+        assert why is not None and "Undeclared declares no objective of one image" in why
+        assert "cannot be imported" in support.method_refusal("my_missing", cfg)
     finally:
         unregister("my_method")
+        unregister("my_missing")
 
 
 def _embeddings(n: int = 30, dim: int = 16):
@@ -105,7 +127,7 @@ def test_noised_prototypes_approach_the_plain_upload_and_are_accounted():
 def test_round_releases_feed_the_plan_check():
     from fedhisto.privacy.accountant import check_plan
     from fedhisto.privacy.dpsgd import steps_per_epoch
-    from fedhisto.privacy.releases import round_releases
+    from fedhisto.privacy.releases import releases_of, round_releases
 
     plain = round_releases(1.0, 0.05, 2, uploads_prototypes=False)
     assert [(r.steps, r.kind) for r in plain] == [(2 * steps_per_epoch(0.05), "dpsgd")]
@@ -114,12 +136,25 @@ def test_round_releases_feed_the_plan_check():
     eps_plain = check_plan("C4", 400, plain, 5, 1e-5, None, "stop")
     eps_protos = check_plan("C4", 400, with_protos, 5, 1e-5, None, "stop")
     assert all(b > a for a, b in zip(eps_plain, eps_protos, strict=True))  # the prototype upload costs epsilon
+    # the prototype release takes its own noise multiplier, accounted as its own Gaussian mechanism
+    louder = round_releases(1.0, 0.05, 2, uploads_prototypes=True, prototype_noise_multiplier=8.0)
+    assert [(r.noise_multiplier, r.sample_rate, r.steps) for r in louder] == [
+        (1.0, 0.05, 2 * steps_per_epoch(0.05)), (8.0, 1.0, 1)]
+    eps_louder = check_plan("C4", 400, louder, 5, 1e-5, None, "stop")
+    assert all(a < b < c for a, b, c in zip(eps_plain, eps_louder, eps_protos, strict=True))
+    cfg = load_config(_cfg({"enabled": True, "prototype_noise_multiplier": 8.0}))
+    assert [r.noise_multiplier for r in releases_of(cfg.privacy, 2, True)] == [1.0, 8.0]
+    assert [r.noise_multiplier for r in releases_of(load_config(_cfg({"enabled": True})).privacy, 2, True)] == [1.0, 1.0]
+    with pytest.raises(ConfigError, match=r"prototype_noise_multiplier is set but privacy\.enabled is false"):
+        load_config(_cfg({"prototype_noise_multiplier": 8.0}))
 
 
 def test_past_unit_loss_reads_the_method_and_its_round_payload():
     from fedhisto.fedmath.prototypes import ServerPrototypes
     from fedhisto.methods import build_method
-    from fedhisto.privacy.unit_loss import past_unit_loss
+
+    def past_unit_loss(method, payload, w):
+        return method.unit_loss(payload, w)
 
     cfg = Config()
     w = torch.tensor([1.0, 2.0, 0.5])

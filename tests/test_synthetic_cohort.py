@@ -53,7 +53,7 @@ def test_other_seed_other_images():
     assert [m.relpath for m in a] != [m.relpath for m in b]
 
 
-@pytest.mark.parametrize("profile", ["small", "paper", "tiny"])
+@pytest.mark.parametrize("profile", ["small", "small_eval", "paper", "tiny"])
 def test_originals_land_exactly_on_the_profile(profile: str):
     members = plan_cohort(SyntheticCohort(profile=profile))
     p = PROFILES[profile]
@@ -62,7 +62,7 @@ def test_originals_land_exactly_on_the_profile(profile: str):
     external = Counter(m.label for m in originals if m.cohort == "external")
     assert sum(internal.values()) == p.internal_total
     assert tuple(external[c] for c in CLASSES) == p.external
-    expected_internal = [sum(pool[c] for pool in p.clients.values()) + p.validation[c] + p.test[c]
+    expected_internal = [sum(pool[c] for pool in p.clients.values()) + p.validation[c] + p.test[c] + p.spare[c]
                          for c in range(3)]
     assert [internal[c] for c in CLASSES] == expected_internal
     per_site = Counter((m.site, m.label) for m in originals)
@@ -213,3 +213,31 @@ def test_external_cohort_options_at_their_defaults_keep_the_cohort_identity():
         load_config({}), "cohort")
     with pytest.raises(ValueError, match="external_per_class"):
         SyntheticCohort(external_per_class=(3, 0, 3))
+
+
+def test_the_default_profile_sizes_its_evaluation_sets_to_resolve_three_hundredths(repo: Path):
+    """The embedded default's cohort (docs/pipeline.md, "Evaluation set sizes"): small's training pools and
+    validation, the study's external size and mix, an internal test of 600; at the planning accuracies (the
+    previous default's 0.886 internal, 0.839 external) one method's 95 % bootstrap half-width is <= 0.03,
+    and at the old sizes it was about 0.10."""
+    from fedhisto.bootstrap import bootstrap_interval
+    from fedhisto.config import load_config_file
+
+    profile = PROFILES[load_config_file(repo / "config/config.yaml").cohort.synthetic.profile]
+    small = PROFILES["small"]
+    assert profile.clients == small.clients and profile.validation == small.validation  # training unchanged in size
+    assert profile.external == (280, 151, 260) and sum(profile.test) >= 600
+
+    def half_width(counts, accuracy):
+        y = np.concatenate([np.full(n, c) for c, n in enumerate(counts)])
+        pred = y.copy()
+        for c, n in enumerate(counts):  # round((1 - a) n_c) errors in every class, called the next class
+            pred[np.flatnonzero(y == c)[:round((1 - accuracy) * n)]] = (c + 1) % 3
+        ci = bootstrap_interval(y, pred, 10_000, 20260730)["macro_f1"]
+        return (ci["ci_high"] - ci["ci_low"]) / 2
+
+    internal, external = half_width(profile.test, 0.886), half_width(profile.external, 0.839)
+    assert internal <= 0.03 and external <= 0.03, (internal, external)   # 0.0256 and 0.0286
+    binomial = 1.96 * np.sqrt(0.839 * 0.161 / sum(profile.external))
+    assert external == pytest.approx(binomial, rel=0.1)                    # the docs' binomial-ish estimate
+    assert half_width(small.test, 0.886) > 0.09 and half_width(small.external, 0.839) > 0.09

@@ -110,7 +110,7 @@ def test_clearance_recovers_every_planted_family_and_manifest_lands_on_profile(w
 
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     profile = PROFILES[config["cohort"]["synthetic"]["profile"]]
-    assert profile is PROFILES["small"]  # the embedded default's cohort, planted families and all
+    assert profile is PROFILES["small"]  # the default's pools and planted families, short evaluation sets
     with (workdir / "results/manifest/composition.csv").open() as fh:
         comp = {(r["partition"], r["subset"]): (int(r["ACA"]), int(r["Normal"]), int(r["SCC"]))
                 for r in __import__("csv").DictReader(fh)}

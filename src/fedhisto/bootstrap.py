@@ -26,10 +26,13 @@ Resolution of p: with B usable replicates the smallest p this definition can ret
 but below that resolution, so the JSON records ``p_two_sided = 2/B`` with ``p_is_upper_bound:
 true`` and the tables print ``< 0.0002`` for B = 10,000: the study's "p < 0.0002".
 
-Seeds: each ensemble's seeds come from :meth:`fedhisto.config.Config.comparison_seeds`; an
-ablation comparison (study Table 7) uses ``train.ablation_seeds`` for *both* ensembles, so
-full v2 is its matched 11/33/55 subset, not its five-seed ensemble. The JSON records both seed
-lists and the ``ablation`` flag, which the report uses to split Tables 6 and 7.
+Seeds: both ensembles of a comparison use the SAME seeds (:meth:`fedhisto.config.Config.comparison_seeds`),
+since ensemble size alone moves macro-F1: an ablation comparison (study Table 7) uses
+``train.ablation_seeds`` for both, so full v2 is its 11/33/55 subset; any other the seeds both
+methods train on, so v2 against an extra comparator on ``train.comparator_seeds`` enters with
+those seeds only. Unmatched seed lists are refused. The JSON records the matched seeds
+(``ensemble.seeds``, and each role's list) and the ``ablation`` flag, which the report uses to split
+Tables 6 and 7.
 """
 
 from __future__ import annotations
@@ -242,6 +245,9 @@ def run_bootstrap(name: str, method_files: list[str], reference_files: list[str]
     ``manifest_csv``: where it names patients of the compared images, a patient-level bootstrap too."""
     comp = cfg.comparisons[name]
     method_seeds, reference_seeds = (list(s) for s in seeds)
+    if method_seeds != reference_seeds:
+        raise ValueError(f"{name}: the method's ensemble seeds {method_seeds} and the reference's {reference_seeds} "
+                         "differ; a paired comparison ensembles both on the same seeds (Config.comparison_seeds)")
     for role, files, sds in (("method", method_files, method_seeds), ("reference", reference_files, reference_seeds)):
         if len(files) != len(sds):
             raise ValueError(f"{name}: {len(files)} {role} prediction files for {len(sds)} seeds {sds}")
@@ -264,7 +270,7 @@ def run_bootstrap(name: str, method_files: list[str], reference_files: list[str]
                                                      clusters=clusters)}
     doc = {"comparison": name, "method": comp.method, "reference": comp.reference, "ablation": comp.ablation,
            "cohort": "external",
-           "ensemble": {"method_seeds": method_seeds, "reference_seeds": reference_seeds,
+           "ensemble": {"seeds": method_seeds, "method_seeds": method_seeds, "reference_seeds": reference_seeds,
                         "method_models": sorted(ens_a), "reference_models": sorted(ens_b),
                         "method_checkpoints": len(method_files), "reference_checkpoints": len(reference_files)},
            "n_images": len(y_a), "n_resamples": resamples, "seed": cfg.seed, "confidence": cfg.confidence,

@@ -60,7 +60,8 @@ class TrainBase(Strict):
     ablation_seeds: Seeds = Field(default_factory=lambda: [11, 33, 55])
     comparator_seeds: Seeds | None = Field(
         None, description="[ours] seeds of the train.methods that are not the study's principal five (fedstain, "
-                          "fedstain_code, local_only, pooled, ...); a non-empty subset of train.seeds; null: train.seeds")
+                          "fedstain_code, local_only, pooled, ...); a non-empty subset of train.seeds; null: train.seeds. "
+                          "A comparison with such a method ensembles both arms on these seeds only (matched)")
     max_rounds: int = Field(50, ge=1)
     local_epochs: int = Field(2, ge=1)
     lr: float = Field(1e-4, gt=0)
@@ -203,6 +204,7 @@ class Config(Strict):
             raise ValueError(f"train.comparator_seeds {comparator} must be a non-empty subset of train.seeds "
                              f"{self.train.seeds} (or null: the comparators train on train.seeds)")
         self._ablation_seeds_trained()
+        self._comparisons_share_seeds()
         if self.privacy.enabled:  # refuses, by name, what DP-SGD cannot run (fedhisto.privacy.support)
             from fedhisto.privacy.support import check_privacy
 
@@ -224,6 +226,17 @@ class Config(Strict):
                         f"{abl}; its {role} {method!r} trains on {key} {self.trained_seeds(method)}"
                         f"{f', which lacks {missing}' if missing else ''}. Make train.ablation_seeds a non-empty "
                         "subset of train.seeds")
+
+    def _comparisons_share_seeds(self) -> None:
+        """A comparison ensembles both methods on the seeds they share: there must be one."""
+        for name in self.trained_comparisons():
+            comp = self.bootstrap.comparisons[name]
+            if not comp.ablation and not self.matched_seeds(name):
+                raise ValueError(
+                    f"bootstrap.comparisons.{name} ensembles both methods on the seeds they share; its method "
+                    f"{comp.method!r} trains on {self.seeds_key(comp.method)} {self.trained_seeds(comp.method)} and its "
+                    f"reference {comp.reference!r} on {self.seeds_key(comp.reference)} "
+                    f"{self.trained_seeds(comp.reference)}: no seed in common")
 
     def seeds_key(self, method: str) -> str:
         """The config key holding the seeds ``method`` trains on."""
@@ -251,14 +264,23 @@ class Config(Strict):
         return [n for n, c in self.bootstrap.comparisons.items() if c.method in trained and c.reference in trained]
 
     def comparison_seeds(self, name: str) -> tuple[list[int], list[int]]:
-        """Seeds of the method's and the reference's ensembles in comparison ``name``.
+        """Seeds of the method's and the reference's ensembles in comparison ``name``: always the same
+        list for both (matched ensembles: ensemble size alone moves macro-F1).
 
-        An ablation comparison uses train.ablation_seeds for both (matched seeds: full v2 enters
-        as its 11/33/55 subset, as in study Table 7); any other uses each method's own seeds."""
+        An ablation comparison uses train.ablation_seeds for both (full v2 enters as its 11/33/55
+        subset, as in study Table 7); any other uses the seeds both methods train on (the method's
+        seeds that the reference also has, in the method's order), so v2 enters a comparison with an
+        extra comparator trained on train.comparator_seeds on those seeds only."""
+        seeds = self.matched_seeds(name)
+        return list(seeds), list(seeds)
+
+    def matched_seeds(self, name: str) -> list[int]:
+        """The one seed list both ensembles of comparison ``name`` use (see ``comparison_seeds``)."""
         comp = self.bootstrap.comparisons[name]
         if comp.ablation:
-            return list(self.train.ablation_seeds), list(self.train.ablation_seeds)
-        return self.trained_seeds(comp.method), self.trained_seeds(comp.reference)
+            return list(self.train.ablation_seeds)
+        reference = set(self.trained_seeds(comp.reference))
+        return [s for s in self.trained_seeds(comp.method) if s in reference]
 
     def profile_targets(self) -> PartitionTargets:
         from fedhisto.profiles import PROFILES

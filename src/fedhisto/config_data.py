@@ -31,7 +31,7 @@ class PlantedFamilies(Strict):
 
 
 class SyntheticCohort(Strict):
-    profile: Literal["small", "paper", "tiny"] = "small"
+    profile: Literal["small", "small_eval", "paper", "tiny"] = "small"
     seed: int = 20261130
     image_size: int = Field(128, ge=64, le=1024, description="internal tile edge in pixels")
     external_image_size: int = Field(160, ge=64, le=2048, description="external tile edge (scanner differs)")

@@ -1,6 +1,7 @@
 # Stage bootstrap: paired image-level (and, where patients are known, patient-level) bootstrap of one named comparison on the external cohort.
 # Only the two methods' runs are needed: `snakemake results/bootstrap/v2_vs_fedavg.json` builds
-# exactly those. An ablation comparison uses train.ablation_seeds for both ensembles (Table 7).
+# exactly those. Both ensembles use the same seeds: an ablation comparison train.ablation_seeds (Table 7),
+# any other the seeds both methods train on.
 
 
 rule bootstrap_comparison:
@@ -15,7 +16,7 @@ rule bootstrap_comparison:
         "logs/bootstrap/{comparison}.log",
     params:
         block=lambda wildcards: stage_block(CFG, "bootstrap", comparison=wildcards.comparison),
-        # method's and reference's ensemble seeds (ablations: matched train.ablation_seeds)
+        # method's and reference's ensemble seeds: one matched list for both
         seeds=lambda wildcards: CFG.comparison_seeds(wildcards.comparison),
     threads: 1
     resources:

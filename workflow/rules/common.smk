@@ -136,8 +136,8 @@ def encoder_input(wildcards):
 
 
 def comparison_inputs(name, role):
-    """External predictions of the seeds of the comparison's method or reference ensemble (an
-    ablation comparison: both on train.ablation_seeds, the study's matched seeds)."""
+    """External predictions of the comparison's method or reference ensemble, both on the same seeds
+    (an ablation comparison: train.ablation_seeds; any other: the seeds both methods train on)."""
     return comparison_files(CFG, name)[role][1]
 
 

@@ -80,3 +80,32 @@ def proximal(params: dict[str, torch.Tensor], global_state: dict[str, torch.Tens
     """FedProx: (mu / 2) ||theta - theta_global||^2 over the trainable tensors."""
     total = sum(((p - global_state[k].to(p.dtype)) ** 2).sum() for k, p in params.items())
     return 0.5 * mu * total
+
+
+# Per-image forms (DP-SGD differentiates one image at a time under ``vmap``: no data-dependent Python
+# branches, labels may be batched tensors). The batch forms above average over the images whose class
+# has a prototype; per image, an image without one contributes 0.
+
+def pick(table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``table[y]`` for a 0-d label that vmap may be batching (plain indexing would read it as a Python int)."""
+    return table.index_select(0, y.reshape(1))[0]
+
+
+def prototype_v2_image(z: torch.Tensor, y: torch.Tensor, centroids: torch.Tensor, mask: torch.Tensor,
+                       reliability: torch.Tensor, margin: float) -> torch.Tensor:
+    """``prototype_v2`` of the views of ONE image (z: (V, D), y: 0-d), 0 when its class has no prototype."""
+    zn = F.normalize(z, dim=1)
+    sim = zn @ F.normalize(centroids.to(z.dtype), dim=1).T                 # V x C
+    idx = y.reshape(1, 1).expand(z.shape[0], 1)
+    pos = sim.gather(1, idx).squeeze(1)
+    attraction = pick(reliability.to(z.dtype), y) * (1 - pos)
+    neg = sim.masked_fill(~mask[None, :], float("-inf")).scatter(1, idx, float("-inf"))
+    hardest = neg.max(1).values
+    margin_term = torch.where(torch.isfinite(hardest), F.relu(margin + hardest - pos), torch.zeros_like(pos))
+    return torch.where(pick(mask, y), (attraction + margin_term).mean(), torch.zeros((), dtype=z.dtype, device=z.device))
+
+
+def prototype_v1_image(z: torch.Tensor, y: torch.Tensor, centroids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``prototype_v1`` of the views of ONE image, 0 when its class has no prototype."""
+    pos = (F.normalize(z, dim=1) * pick(F.normalize(centroids.to(z.dtype), dim=1), y)[None]).sum(1)
+    return torch.where(pick(mask, y), (1 - pos).mean(), torch.zeros((), dtype=z.dtype, device=z.device))

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from fedhisto.config import Config
 from fedhisto.fedmath.aggregate import aggregate
 from fedhisto.fedmath.weights import SampleMass
+from fedhisto.methods.dp_objective import PrivateObjective, image_ce
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
 from fedhisto.splits import Split
 from fedhisto.views import training_views
@@ -354,6 +355,21 @@ class Method:
                     zs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Terms beyond class-balanced CE on the views' logits and embeddings (default: none)."""
         return {}
+
+    # ---------------------------------------------------------- under DP-SGD
+    # A method declares in its own file whether it trains under DP-SGD (docs/privacy.md). An upload
+    # after aggregation (``post_uploads``) goes through the noised prototype release under DP, so a
+    # method whose post-aggregation upload is something else refuses.
+    def dp_refusal(self) -> str | None:
+        """Why this method cannot train under DP-SGD, or None when ``private_objective`` is its local
+        objective written one image at a time (``methods.dp_objective``). Default: refused until declared."""
+        return (f"its class {type(self).__module__}:{type(self).__qualname__} declares no objective of one image "
+                "(override Method.dp_refusal and Method.private_objective in the method's own file)")
+
+    def private_objective(self, run: LocalRun) -> PrivateObjective:
+        """The objective under DP-SGD of one participant's round; the default is the default objective
+        (class-balanced CE over the views, ``terms_from_outputs`` without ``extra_terms``) per image."""
+        return PrivateObjective(image_ce(run))
 
     # ----------------------------------------------------------- accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:

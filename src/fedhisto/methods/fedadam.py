@@ -44,6 +44,7 @@ from pydantic import Field
 from fedhisto.config_base import Strict
 from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.methods.base import GLOBAL, Method, PaperAssumptions, RoundUpdate
+from fedhisto.methods.dp_objective import objective_refusal
 from fedhisto.model.peft_model import FedHistoModel
 
 State = dict[str, torch.Tensor]
@@ -103,6 +104,11 @@ class FedAdam(Method):
     # Algorithm 2's clients take plain SGD steps (x <- x - eta_l g); here they run the study's AdamW, so
     # the report marks the departure (the server optimiser is the paper's)
     assumptions = PaperAssumptions("Reddi et al. 2021 (Algorithm 2)", local_optimizer="sgd")
+
+    def dp_refusal(self) -> str | None:
+        """Under DP the clients train the default objective per image; the server optimiser acts on the
+        noised states the sites return (post-processing), so it changes no epsilon."""
+        return objective_refusal(self.cfg)
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         p = self.settings

@@ -177,6 +177,11 @@ class FedStain(Method):
     # (the default) trains with the study's AdamW and is marked as a departure in the report
     assumptions = PaperAssumptions("FedStain (its paper's Tables I-II and code)", local_optimizer="adam")
 
+    def dp_refusal(self) -> str | None:
+        return ("its loss does not decompose per sample: the representation alignment is a supervised contrastive "
+                "loss (SupCon) whose every term is normalised over the other images of the batch; it also uploads "
+                "single images' style statistics (train.fedstain.upload_ratio rows) un-noised")
+
     def local_schedule(self, round_idx: int) -> LocalSchedule:
         """``train.fedstain.protocol``: ``study`` trains like every other method here (the comparison
         isolates the method); ``paper`` uses FedStain's own settings (its Tables I-II and code): Adam

@@ -125,6 +125,11 @@ class FedStainCode(FedStain):
     """Server as ``FedStain`` (pool without the client's own rows, FedAvg); client: pixel moments up
     before training, three views per batch, the code's objective. No hook inside the encoder."""
 
+    def dp_refusal(self) -> str | None:
+        return ("its loss does not decompose per sample: the SupCon alignment of each generated view against the "
+                "batch's originals couples the images of a batch; it also uploads single images' pixel skewness and "
+                "kurtosis rows un-noised")
+
     def upload_before_training(self, model, start_state, data, rng, device) -> PixelMoments:
         return client_pixel_moments(data, self.cfg, rng)
 

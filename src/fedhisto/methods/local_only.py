@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fedhisto.methods.base import Method
+from fedhisto.methods.dp_objective import objective_refusal
 
 
 class LocalOnly(Method):
@@ -24,4 +25,7 @@ class LocalOnly(Method):
         return members[participant]
 
     def aggregate_train(self, update, model):
-        return dict(update.states), update.server_state  # no exchange: each returned client's state is its model
+        return dict(update.states), update.server_state
+
+    def dp_refusal(self) -> str | None:  # under DP: the default objective per image; nothing leaves a site
+        return objective_refusal(self.cfg)  # no exchange: each returned client's state is its model

@@ -11,13 +11,22 @@ adaptive heuristic of eq. 4 (``fedmath.weights.Adaptive``). Aggregation: delta-S
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
 
 from fedhisto.config_base import Strict
-from fedhisto.fedmath.losses import feature_consistency, js_divergence, prototype_v1, prototype_v2, proximal
+from fedhisto.fedmath.losses import (
+    feature_consistency,
+    js_divergence,
+    prototype_v1,
+    prototype_v1_image,
+    prototype_v2,
+    prototype_v2_image,
+    proximal,
+)
 from fedhisto.fedmath.prototypes import (
     ClientPrototypes,
     ServerPrototypes,
@@ -27,6 +36,7 @@ from fedhisto.fedmath.prototypes import (
 )
 from fedhisto.fedmath.weights import Adaptive, SampleMass, induced_update
 from fedhisto.methods.base import Batch, LocalRun, Method, RoundUpdate, client_descriptors, zero_descriptors
+from fedhisto.methods.dp_objective import ImageCE, PrivateObjective, objective_refusal
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 from fedhisto.splits import Split, eval_batches
 
@@ -43,6 +53,44 @@ class PastConfig(Strict):
     fedprox_mu: float = Field(0.001, ge=0)
     reliability: Literal["study", "bounded"] = Field(
         "study", description="prototype reliability: the study's formula, or [ours] one scale for 1 and 2+ contributors")
+
+@dataclass(frozen=True)
+class PastUnitLoss(ImageCE):
+    """The family's local objective for ONE image (under DP-SGD), for image i with label y and views
+    v = 1..V (logits l_v, adapted embeddings z_v):
+
+        l_i = (1/V) sum_v w_y CE(l_v, y)                                  class-balanced CE (or summed: ce_views)
+            + lambda_JS JS(p_1, p_2) + lambda_feat (1 - cos(z_1, z_2))    pair terms (paired views)
+            + lambda_proto (1/V) sum_v L_proto(z_v, y; P, mask, r)         against the GLOBAL prototypes
+
+    ``extra_terms`` on a batch of that one image; the batch form averages the prototype terms over the
+    images whose class has a global prototype, here an image without one contributes 0. The global
+    prototypes are fixed during the round (server state), so no term couples two images. FedProx's
+    proximal term has no data: its gradient joins after the noise (``private_objective``)."""
+
+    weight_js: float = 0.0                         # 0 switches the term off
+    weight_feat: float = 0.0
+    weight_proto: float = 0.0
+    prototypes: Literal["none", "v1", "v2"] = "none"
+    centroids: torch.Tensor | None = None          # (C, D) global prototypes of the round
+    mask: torch.Tensor | None = None               # (C,) bool: class has a valid prototype
+    reliability: torch.Tensor | None = None        # (C,) v2's per-class reliability
+    margin: float = 0.20
+
+    def __call__(self, logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.ce(logits, y)
+        if logits.shape[0] >= 2 and self.weight_js:
+            loss = loss + self.weight_js * js_divergence(logits[0:1], logits[1:2])
+        if z.shape[0] >= 2 and self.weight_feat:
+            loss = loss + self.weight_feat * feature_consistency(z[0:1], z[1:2])
+        if self.prototypes != "none" and self.weight_proto and self.centroids is not None:
+            if self.prototypes == "v2":
+                proto = prototype_v2_image(z, y, self.centroids, self.mask, self.reliability, self.margin)
+            else:
+                proto = prototype_v1_image(z, y, self.centroids, self.mask)
+            loss = loss + self.weight_proto * proto
+        return loss
+
 
 class PastFamily(Method):
     def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
@@ -104,6 +152,36 @@ class PastFamily(Method):
         if self.proximal:
             terms["prox"] = proximal(run.params, run.start_state, p.fedprox_mu)
         return terms
+
+    # ---------------------------------------------------------- under DP-SGD
+    def dp_refusal(self) -> str | None:
+        if self.prototypes != "none" and self.cfg.privacy.prototypes != "noised":
+            return ("it uploads class prototypes (centroids of the site's embeddings) every round, un-noised; set "
+                    "privacy.prototypes: noised to release them through the Gaussian mechanism")
+        return objective_refusal(self.cfg)
+
+    def unit_loss(self, payload: dict, ce_weights: torch.Tensor, device: torch.device | str = "cpu") -> PastUnitLoss:
+        """The objective of one image for one round's payload (with the round's global prototypes, if any)."""
+        s = self.settings
+        protos = payload.get("prototypes")
+        use_protos = self.prototypes != "none" and protos is not None and bool(protos.mask.any())
+        return PastUnitLoss(
+            ce_weights=ce_weights.to(device), ce_views=self.cfg.train.readings.ce_views,
+            weight_js=s.weight_js if (self.paired_views and self.js) else 0.0,
+            weight_feat=s.weight_feat if (self.paired_views and self.feat) else 0.0,
+            weight_proto=s.weight_proto if use_protos else 0.0,
+            prototypes=self.prototypes if use_protos else "none",
+            centroids=protos.centroids.to(device) if use_protos else None,
+            mask=protos.mask.to(device) if use_protos else None,
+            reliability=protos.reliability.to(device) if use_protos else None,
+            margin=s.proto_margin)
+
+    def private_objective(self, run: LocalRun) -> PrivateObjective:
+        def proximal_term() -> torch.Tensor:  # FedProx's (mu/2)||theta - theta_global||^2: no data
+            return proximal(run.params, run.start_state, self.settings.fedprox_mu)
+
+        return PrivateObjective(self.unit_loss(run.payload, run.ce_weights, run.device),
+                                proximal_term if self.proximal else None)
 
     # ------------------------------------------------- prototypes (study 3.7)
     @torch.no_grad()

@@ -9,6 +9,7 @@ encoder, adapters, objective (class-balanced CE on one plain view, as ``fedavg_p
 from __future__ import annotations
 
 from fedhisto.methods.base import GLOBAL, Method
+from fedhisto.methods.dp_objective import objective_refusal
 from fedhisto.splits import Split
 
 POOLED = "pooled"
@@ -27,3 +28,6 @@ class Pooled(Method):
 
     def aggregate_train(self, update, model):
         return {GLOBAL: update.states[POOLED]}, update.server_state
+
+    def dp_refusal(self) -> str | None:  # under DP: the default objective per image, the union as one site
+        return objective_refusal(self.cfg)

@@ -90,6 +90,7 @@ from fedhisto.methods.base import (
     balanced_cross_entropy,
     training_autocast,
 )
+from fedhisto.methods.dp_objective import PrivateObjective, image_ce, objective_refusal
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.splits import Split, eval_batches
 
@@ -256,11 +257,17 @@ class Scaffold(Method):
         group_start = batch.number - batch.number % accum
         return accum / min(accum, n_batches - group_start)
 
-    def extra_terms(self, run, batch, logits, zs):
+    def _drift(self, run: LocalRun) -> torch.Tensor | None:
+        """<c - c_i, theta - theta_start>: its gradient is the correction (None before any variate)."""
         correction = run.scratch.get("correction")
         if correction is None:
+            return None
+        return sum((correction[k] * (run.params[k] - run.start_state[k])).sum() for k in correction)
+
+    def extra_terms(self, run, batch, logits, zs):
+        drift = self._drift(run)
+        if drift is None:
             return {"scaffold": torch.zeros((), device=run.device)}
-        drift = sum((correction[k] * (run.params[k] - run.start_state[k])).sum() for k in correction)
         return {"scaffold": self.settings.correction_scale * self._group_scale(run, batch) * drift}
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
@@ -310,6 +317,22 @@ class Scaffold(Method):
             for v in variates:
                 transport(v, a_key, b_key, m, m_inv)
         return out
+
+    # Under DP-SGD the correction term has no data: its gradient joins every step's noisy gradient
+    # after the noise, once per optimiser step, whatever the local optimiser; the variates are computed
+    # from the returned (noised) states and the public step count, post-processing.
+    def dp_refusal(self) -> str | None:
+        if self.pre_uploads:
+            return ("train.scaffold.variates: start_gradient uploads each site's full-data gradient before training, "
+                    "un-noised; use option_ii under DP")
+        return objective_refusal(self.cfg)
+
+    def private_objective(self, run: LocalRun) -> PrivateObjective:
+        def correction_term() -> torch.Tensor | None:
+            drift = self._drift(run)
+            return None if drift is None else self.settings.correction_scale * drift
+
+        return PrivateObjective(image_ce(run), correction_term)
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"control_variates": 2 * len(availability) * payload_bytes}

@@ -1,14 +1,14 @@
-"""Differential privacy building blocks for local training (issue 25).
+"""Differential privacy building blocks for local training.
 
 - ``per_sample``: per-unit gradients of the trainable state with ``torch.func`` (one image with all its
   views is one sample; a clearance family with ``privacy.unit: family``);
-- ``unit_loss``: the PAST family's objective of one image, vmap-safe;
 - ``dpsgd``: units, Poisson sampling, micro-batch packing, clipping, Gaussian noise;
 - ``step`` and ``site``: one logical step from those pieces, and a site's DP-SGD over rounds (plan check,
   budget stop, ledger, exact resume) for the local training loop to call;
-- ``releases``: the noised prototype upload and a round's releases for the ledger;
+- ``releases``: the noised prototype upload (its own noise multiplier) and a round's releases for the ledger;
 - ``rdp`` and ``accountant``: RDP of the sampled Gaussian, the per-site ledger and the budget check;
-- ``support``: which methods can train under DP (their loss decomposes per sample) and why others cannot;
+- ``support``: the refusals of a DP run by name (engine, budget, and each method's own declaration,
+  ``fedhisto.methods.dp_objective``);
 - ``audit`` and ``attack``: membership-inference statistics, the loss-difference attack, canaries.
 
 What DP covers here and what it does not: ``docs/privacy.md``.

@@ -9,7 +9,7 @@ steps (e.g. a noised prototype mean, a Gaussian release with q = 1) are rounds' 
 
 Budget: with ``target_epsilon`` set, :func:`check_plan` refuses to start a site whose first round
 alone would exceed it (or, with ``on_budget: refuse``, whose planned rounds would), and
-:meth:`SiteAccountant.check_round` refuses a round that would take the site past it; both raise
+:meth:`SiteAccountant.check_round` refuses a round that would take the site beyond it; both raise
 :class:`PrivacyBudgetExceeded` naming the site, the round and the epsilon.
 """
 
@@ -27,7 +27,7 @@ STATE_VERSION = 1
 
 
 class PrivacyBudgetExceeded(RuntimeError):
-    """Running (or continuing) would take a site past its configured epsilon."""
+    """Running (or continuing) would take a site beyond its configured epsilon."""
 
     def __init__(self, message: str, site: str, round_idx: int, epsilon: float) -> None:
         super().__init__(message)
@@ -86,13 +86,16 @@ class SiteAccountant:
         return self.epsilon()
 
     def history(self) -> list[dict[str, Any]]:
-        """One row per recorded round: round, its DP-SGD steps, epsilon after it (for history.csv, report.json)."""
+        """One row per recorded round: round, its DP-SGD steps, epsilon after it and the round's releases, each
+        with its own noise multiplier (for report.json)."""
         rows, done = [], []
         for round_idx, releases in self.rounds:
             done += releases
             eps = epsilon_from_rdp(self._rdp(done), self.delta, self.orders)[0]
             rows.append({"site": self.site, "round": round_idx, "steps": sum(r.steps for r in releases if r.kind == "dpsgd"),
-                         "epsilon": eps, "delta": self.delta})
+                         "epsilon": eps, "delta": self.delta,
+                         "releases": [{"kind": r.kind, "noise_multiplier": r.noise_multiplier,
+                                       "sample_rate": r.sample_rate, "steps": r.steps} for r in releases]})
         return rows
 
     # -------------------------------------------------------------- budget

@@ -1,4 +1,4 @@
-"""A differentially private prototype upload (the v1/v2 family's per-round class centroids).
+"""A differentially private prototype upload (per-round class centroids, for a method that uploads them).
 
 Non-private, a client uploads per present class c the normalised mean of its images' normalised
 embeddings, u_c = normalize(sum_{i: y_i = c} z_i / ||z_i||), and the count n_c. Both are released
@@ -11,8 +11,9 @@ and never changed; a family of k images is scaled down to the same bound). The r
 ``sum_u v_u + N(0, sigma^2 Delta^2 I)``; the centroid is the direction of the noisy sum (the count
 does not change a direction) and the count the rounded noisy count, a class with a noisy count
 below 1 is not uploaded. Add/remove of one unit moves the sum by at most Delta, so one upload is the
-Gaussian mechanism with noise multiplier sigma: ``Release(sigma, 1.0, 1, kind="prototypes")`` in the
-site's ledger each round. Under DP every unit's images enter (the non-private cap of
+Gaussian mechanism with noise multiplier sigma (``privacy.prototype_noise_multiplier``, by default
+DP-SGD's ``privacy.noise_multiplier``): ``Release(sigma, 1.0, 1, kind="prototypes")`` in the site's
+ledger each round. Under DP every unit's images enter (the non-private cap of
 ``proto_max_images`` images per class picks images by id order, so adding one image can displace
 another and double the sensitivity).
 """
@@ -20,6 +21,7 @@ another and double the sensitivity).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +71,24 @@ def prototype_release(noise_multiplier: float) -> Release:
 
 
 def round_releases(noise_multiplier: float, sample_rate: float, local_epochs: int,
-                   uploads_prototypes: bool) -> list[Release]:
+                   uploads_prototypes: bool, prototype_noise_multiplier: float | None = None) -> list[Release]:
     """What one site releases in one round under DP, for its ledger and ``accountant.check_plan``:
-    ``local_epochs`` expected passes of round(1 / q) Poisson steps each, and the noised prototype upload
-    when the method makes one (``privacy.prototypes: noised``)."""
+    ``local_epochs`` expected passes of round(1 / q) Poisson steps each at ``noise_multiplier``, and the
+    noised prototype upload at ``prototype_noise_multiplier`` (None: the same) when the method makes one
+    (``privacy.prototypes: noised``)."""
     steps = local_epochs * max(1, round(1 / sample_rate))  # dpsgd.steps_per_epoch
     out = [Release(noise_multiplier, sample_rate, steps)]
     if uploads_prototypes:
-        out.append(prototype_release(noise_multiplier))
+        out.append(prototype_release(prototype_sigma(noise_multiplier, prototype_noise_multiplier)))
     return out
+
+
+def prototype_sigma(noise_multiplier: float, prototype_noise_multiplier: float | None) -> float:
+    """The prototype release's noise multiplier: its own setting, or DP-SGD's when unset."""
+    return noise_multiplier if prototype_noise_multiplier is None else prototype_noise_multiplier
+
+
+def releases_of(privacy: Any, local_epochs: int, uploads_prototypes: bool) -> list[Release]:
+    """``round_releases`` of a ``privacy:`` block (``config_privacy.PrivacyConfig`` or anything with its fields)."""
+    return round_releases(privacy.noise_multiplier, privacy.sample_rate, local_epochs, uploads_prototypes,
+                          getattr(privacy, "prototype_noise_multiplier", None))

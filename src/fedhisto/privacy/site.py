@@ -30,7 +30,7 @@ from fedhisto.privacy.dpsgd import (
     steps_per_epoch,
 )
 from fedhisto.privacy.per_sample import UnitLoss
-from fedhisto.privacy.releases import round_releases
+from fedhisto.privacy.releases import releases_of
 from fedhisto.privacy.step import Fetch, logical_step, set_gradients
 
 DataFreeGradient = Callable[[], dict[str, torch.Tensor]]
@@ -56,7 +56,7 @@ class DPSite:
     def start(cls, site: str, units: PrivacyUnits, privacy: Any, rounds: int, local_epochs: int,
               uploads_prototypes: bool, seed: int | None = None) -> DPSite:
         """Check the plan (``accountant.check_plan``) and open the site's ledger. ``seed=None`` draws a secret one."""
-        releases = round_releases(privacy.noise_multiplier, privacy.sample_rate, local_epochs, uploads_prototypes)
+        releases = releases_of(privacy, local_epochs, uploads_prototypes)
         check_plan(site, units.n_units, releases, rounds, privacy.delta, privacy.target_epsilon, privacy.on_budget)
         _, secret = noise_generator("cpu", seed)
         return cls(site, units, privacy, local_epochs, uploads_prototypes,
@@ -70,10 +70,11 @@ class DPSite:
                     data_free_gradient: DataFreeGradient | None = None, device: torch.device | str = "cpu",
                     chunk_size: int | None = None, on_step: Callable[[int], None] | None = None) -> float:
         """The round's DP-SGD steps; returns the site's epsilon after it. ``data_free_gradient`` adds the
-        gradient of a term without data (FedProx's proximal term) after the noise; ``on_step(s)`` is told
+        gradient of a term without data (a proximal or control-variate term, the method's
+        ``private_objective``) after the noise; ``on_step(s)`` is told
         the step index before step s's batch is fetched (the engine seeds that step's views with it)."""
         p = self.privacy
-        releases = round_releases(p.noise_multiplier, p.sample_rate, self.local_epochs, self.uploads_prototypes)
+        releases = releases_of(p, self.local_epochs, self.uploads_prototypes)
         self.ledger.check_round(round_idx, releases)
         sampling, noise_seed = _round_seeds(self.seed, round_idx)
         generator, _ = noise_generator(device, noise_seed)

@@ -1,28 +1,19 @@
-"""Which methods can train under DP-SGD, and every refusal by name (no torch import: config validation).
+"""Which runs can train under DP-SGD, and every refusal by name (imported by config validation).
 
 DP-SGD clips each privacy unit's gradient, so it needs a local objective that is a sum of per-unit
 terms whose value depends on that unit's images alone (given the round's public inputs: the
 global state and the server's payload). It also needs every OTHER upload a method makes from the
 site's images to be noised or absent, or the guarantee covers the model state only.
 
-- The PAST family (fedavg_peft, fedprox_peft, film_zero, past_v1/v2 and ablations): class-balanced CE
-  per view, JS and feature consistency between one image's views, prototype terms against the GLOBAL
-  prototypes (fixed during the round): per image (``unit_loss``). FedProx's proximal term has no
-  data: its gradient joins after the noise. The prototype upload of v1/v2 (centroids of the site's
-  embeddings every round) is refused unless ``privacy.prototypes: noised`` (``releases``).
-- FedStain and fedstain_code: refused. Their representation alignment is a supervised contrastive
-  loss (``fedmath.fedstain.supcon``): each image's term is normalised over the other images of the
-  batch, so one image changes every other image's gradient and per-unit clipping bounds nothing;
-  they also upload rows of style statistics of single images every round, in the clear.
-- local_only and pooled: the fedavg_peft objective; nothing but the model leaves (or nothing at all).
-- Any other registered method: refused until its class is listed here with a per-image objective.
+Each method declares this itself, in its own file (``Method.dp_refusal`` and
+``Method.private_objective``, see ``fedhisto.methods.dp_objective``): nothing here names a method. A
+method that declares nothing is refused. The methods are built only when ``privacy.enabled`` is true,
+so parsing a configuration without DP imports no method.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from fedhisto.methods import registration
 
 #: The batched engine forwards every client's views in one pass with masks drawn once for the stack;
 #: DP-SGD is built for the sequential engine only.
@@ -31,41 +22,19 @@ DP_ENGINES = ("sequential",)
 #: False, ``privacy.enabled: true`` would be refused rather than silently train without privacy.
 ENGINE_RUNS_DP = True
 
-_PAST = "fedhisto.methods.past:PastFamily"
-_REFUSED = {
-    "fedhisto.methods.fedstain:FedStain": (
-        "its loss does not decompose per sample: the representation alignment is a supervised contrastive "
-        "loss (SupCon) whose every term is normalised over the other images of the batch; it also uploads "
-        "single images' style statistics (train.fedstain.upload_ratio rows) un-noised"),
-    "fedhisto.methods.fedstain_code:FedStainCode": (
-        "its loss does not decompose per sample: the SupCon alignment of each generated view against the "
-        "batch's originals couples the images of a batch; it also uploads single images' pixel skewness and "
-        "kurtosis rows un-noised"),
-}
-_PER_SAMPLE = {"fedhisto.methods.local_only:LocalOnly", "fedhisto.methods.pooled:Pooled", _PAST}
+
+def method_refusal(name: str, cfg: Any) -> str | None:
+    """Why method ``name`` cannot train under DP-SGD with ``cfg`` (None: it can), in the method's own words."""
+    from fedhisto.methods import build_method
+
+    try:
+        method = build_method(name, cfg)
+    except ImportError as exc:
+        return f"its class cannot be imported ({exc}), so it declares no objective of one image"
+    return method.dp_refusal()
 
 
-def _target(name: str) -> str:
-    target = registration(name).target
-    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
-
-
-def method_refusal(name: str, prototypes: str = "refuse") -> str | None:
-    """Why method ``name`` cannot train under DP-SGD (None: it can)."""
-    reg = registration(name)
-    target = _target(name)
-    if target in _REFUSED:
-        return _REFUSED[target]
-    if target not in _PER_SAMPLE:
-        return (f"its class {target} is not known to have a per-sample objective; list it in "
-                "fedhisto.privacy.support once its loss is written per image")
-    if target == _PAST and reg.options.get("prototypes", "none") != "none" and prototypes != "noised":
-        return ("it uploads class prototypes (centroids of the site's embeddings) every round, un-noised; set "
-                "privacy.prototypes: noised to release them through the Gaussian mechanism")
-    return None
-
-
-def privacy_refusals(methods: list[str], engine: str, prototypes: str = "refuse") -> list[str]:
+def privacy_refusals(methods: list[str], engine: str, cfg: Any) -> list[str]:
     """Every reason ``privacy.enabled: true`` cannot run with these methods and engine, one line each."""
     out = []
     if not ENGINE_RUNS_DP:
@@ -75,7 +44,7 @@ def privacy_refusals(methods: list[str], engine: str, prototypes: str = "refuse"
         out.append(f"train.engine: {engine!r} cannot run DP-SGD; set train.engine: sequential (the batched "
                    "engine stacks every client's views in one pass and computes no per-unit gradients)")
     for name in methods:
-        why = method_refusal(name, prototypes)
+        why = method_refusal(name, cfg)
         if why:
             out.append(f"method {name!r} cannot train under DP-SGD: {why}")
     return out
@@ -83,18 +52,18 @@ def privacy_refusals(methods: list[str], engine: str, prototypes: str = "refuse"
 
 def budget_refusal(cfg: Any, methods: list[str]) -> str | None:
     """Why the budget cannot be met by a method's plan (None: it can, or no budget). Epsilon per round
-    depends on sigma, q, steps, delta and whether the method uploads noised prototypes, not on a site's
-    size, so this holds for every site; the site-level check (delta below 1/units) runs when the run
-    starts (``accountant.check_plan``)."""
+    depends on the noise multipliers, q, steps, delta and whether the method uploads after aggregation
+    (the noised prototype release), not on a site's size, so this holds for every site; the site-level
+    check (delta below 1/units) runs when the run starts (``accountant.check_plan``)."""
+    from fedhisto.methods import build_method
     from fedhisto.privacy.accountant import PrivacyBudgetExceeded, check_plan
-    from fedhisto.privacy.releases import round_releases
+    from fedhisto.privacy.releases import releases_of
 
     p = cfg.privacy
     if p.target_epsilon is None:
         return None
     for name in methods:
-        protos = registration(name).options.get("prototypes", "none") != "none"
-        releases = round_releases(p.noise_multiplier, p.sample_rate, cfg.train.local_epochs, protos)
+        releases = releases_of(p, cfg.train.local_epochs, bool(build_method(name, cfg).post_uploads))
         try:  # n only enters the delta < 1/n check, made per site when the run starts: any n below 1/delta
             check_plan(name, max(1, int(0.5 / p.delta)), releases, cfg.train.max_rounds, p.delta,
                        p.target_epsilon, p.on_budget)
@@ -109,8 +78,8 @@ def check_privacy(cfg: Any) -> None:
     if not p.enabled:
         return
     methods = list(dict.fromkeys([*cfg.train.methods, *cfg.train.ablations]))
-    problems = privacy_refusals(methods, cfg.train.engine, p.prototypes)
-    budget = budget_refusal(cfg, methods)
+    problems = privacy_refusals(methods, cfg.train.engine, cfg)
+    budget = budget_refusal(cfg, [m for m in methods if not any(f"method {m!r} " in line for line in problems)])
     if budget:
         problems.append(budget)
     if problems:

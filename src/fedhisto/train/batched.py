@@ -9,7 +9,7 @@ micro-batch step runs ONE forward/backward of the frozen encoder over all active
   as batched matmuls over (member, rows) groups (``lora_members``);
 - residual adapter, FiLM and classifier: the model's own modules (``FedHistoModel.head``) called with
   each group's member tensors (``member_heads``, by ``torch.func.functional_call``);
-- a method's feature restyling (e.g. MixStyle) is applied to each member's rows with that member's random
+- feature restyling (a method's MixStyle) is applied to each member's rows with that member's random
   stream (``Method.restyle``);
 - loss terms per member come from the method's own ``batch_inputs`` / ``terms_from_outputs``, so
   the objective is the sequential one; the members' losses are summed (their gradients do not mix);

@@ -2,13 +2,13 @@
 unavailability rules, whoever the participants are and however they are reached.
 
 Round t, in the order of the method hooks (``methods.base``): participants upload what the server
-needs to configure the round (e.g. style statistics), the server sends each its start state and
+needs to configure the round (a method's pre-round statistics), the server sends each its start state and
 payload, each trains, the server weights what came back and aggregates (``aggregate_train``, which
-may also update the method's server state, e.g. control variates or server-optimiser moments), then
+may also update the method's server state: control variates, a server optimiser's moments), then
 (prototype methods) participants upload under the new model and the server folds that into its
-state (``aggregate_uploads``). The global-validation macro-F1 (the mean over members for
-``local_only``) decides early stopping; the best member states and server state are kept apart from
-the latest.
+state (``aggregate_uploads``). The global-validation macro-F1 (the mean over members for a method
+that keeps one model per client) decides early stopping; the best member states and server state are
+kept apart from the latest.
 
 *How* participants are reached is a ``Participants`` object (``train.participants``): in-process one
 after the other, in-process batched in one encoder pass, or over Flower messages

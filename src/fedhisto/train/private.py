@@ -2,11 +2,14 @@
 
 ``PrivateSites`` holds one ``privacy.site.DPSite`` per participant (its units, ledger and secret
 noise seed) for the whole run. Before any training it checks every site's plan (an unsatisfiable
-budget is refused there, by site); each round it refuses to start a round that would take a site past
+budget is refused there, by site); each round it refuses to start a round that would take a site beyond
 ``privacy.target_epsilon`` (``RunStopped``: the run stops there and says so), runs the round as
 round(1/q) x ``local_epochs`` Poisson steps of clipped per-unit gradients plus Gaussian noise, and
-(v1/v2 with ``privacy.prototypes: noised``) releases the prototype upload through the Gaussian
-mechanism. Its ``state()`` goes into the run's checkpoint and ``restore`` resumes it exactly.
+(a method that uploads after aggregation, with ``privacy.prototypes: noised``) releases the prototype
+upload through the Gaussian mechanism at its own noise multiplier. The objective is the method's own
+declaration (``Method.private_objective``: the loss of one image, and the gradient of any term without
+data); a method that cannot declare one is refused before the run (``privacy.support``). Its
+``state()`` goes into the run's checkpoint and ``restore`` resumes it exactly.
 
 The plan is ``train.plan``'s (the round's torch seed for dropout, the ``LocalRun`` the method's view
 hook sees, the optimiser), with two differences that privacy forces: the batches are Poisson draws
@@ -28,22 +31,12 @@ from fedhisto.methods.base import Batch, Method
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 from fedhisto.privacy.accountant import PrivacyBudgetExceeded
 from fedhisto.privacy.dpsgd import noise_generator, privacy_units, steps_per_epoch
-from fedhisto.privacy.releases import noised_prototypes, round_releases
+from fedhisto.privacy.releases import noised_prototypes, prototype_sigma, releases_of
 from fedhisto.privacy.site import DPSite
-from fedhisto.privacy.unit_loss import PastUnitLoss, past_unit_loss
 from fedhisto.splits import Split, eval_batches
 from fedhisto.train.local import OPTIMIZERS, kept_state, make_optimizer
 from fedhisto.train.loop import RunStopped
 from fedhisto.train.plan import LocalResult, MemberJob, check_optimizer, local_run, seed_round
-
-
-def unit_loss_for(method: Method, payload: dict, ce_weights: torch.Tensor, device: torch.device):
-    """The method's objective of one image (``privacy.unit_loss``); ``privacy.support`` admits only these."""
-    from fedhisto.methods.past import PastFamily
-
-    if isinstance(method, PastFamily):
-        return past_unit_loss(method, payload, ce_weights, device)
-    return PastUnitLoss(ce_weights=ce_weights.to(device))  # local_only, pooled: class-balanced CE on one view
 
 
 def _seed_for(run_seed: int, client_idx: int) -> int:
@@ -97,10 +90,8 @@ class PrivateSites:
 
     # ------------------------------------------------------------ rounds
     def before_round(self, r: int, names: list[str]) -> None:
-        """Stop the run (``RunStopped``) when round ``r`` would take any of ``names`` past the budget."""
-        p = self.cfg.privacy
-        releases = round_releases(p.noise_multiplier, p.sample_rate, self.method.local_schedule(r).epochs,
-                                  self.uploads_prototypes)
+        """Stop the run (``RunStopped``) when round ``r`` would take any of ``names`` beyond the budget."""
+        releases = releases_of(self.cfg.privacy, self.method.local_schedule(r).epochs, self.uploads_prototypes)
         for n in names:
             try:
                 self.sites[n].ledger.check_round(r, releases)
@@ -125,7 +116,7 @@ class PrivateSites:
         params = {n: p for n, p in model.named_parameters() if p.requires_grad and method.trains(n)}
         opt = make_optimizer(plan, params, job, cfg)
         run = local_run(model, job, cfg, plan, device, params)
-        loss = unit_loss_for(method, payload, run.ce_weights, device)
+        objective = method.private_objective(run)
         per_epoch, step = steps_per_epoch(cfg.privacy.sample_rate), [0]
 
         def fetch(images: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,22 +126,17 @@ class PrivateSites:
             inputs = method.batch_inputs(run, Batch(images, y, epoch, round_idx * plan.epochs + epoch, step[0]))
             return torch.stack([v.to(device) for v in inputs.views], dim=1), y
 
-        def proximal_gradient() -> dict[str, torch.Tensor]:
-            # FedProx's (mu/2)||theta - theta_global||^2 has no data: its gradient joins after the noise
-            mu = method.settings.fedprox_mu
-            return {n: mu * (p.detach() - run.start_state[n].to(p.dtype)) for n, p in params.items()}
-
-        with method.local_session(run):
-            site.train_round(round_idx, model, opt, loss, fetch, descriptor=run.descriptor,
-                             data_free_gradient=proximal_gradient if getattr(method, "proximal", False) else None,
-                             device=device, on_step=lambda s: step.__setitem__(0, s))
+        with method.local_session(run):  # a term without data (its gradient) joins after the noise
+            site.train_round(round_idx, model, opt, objective.unit_loss, fetch, descriptor=run.descriptor,
+                             data_free_gradient=lambda: objective.data_free_gradient(params), device=device,
+                             on_step=lambda s: step.__setitem__(0, s))
         return LocalResult(model.trainable_state(), len(data), {}, site.steps_per_round(), kept_state(opt, params, cfg))
 
     @torch.no_grad()
     def upload_prototypes(self, name: str, model: FedHistoModel, descriptor: torch.Tensor | None, round_idx: int,
                           device: torch.device) -> ClientPrototypes:
-        """v1/v2's post-aggregation upload through the Gaussian mechanism (``privacy.releases``; in the ledger
-        since ``round_releases`` counts it), over every unit's images (the non-private cap is dropped)."""
+        """The post-aggregation upload through the Gaussian mechanism (``privacy.releases``; in the ledger
+        since ``releases_of`` counts it), over every unit's images (the non-private cap is dropped)."""
         data, site = self.clients[name], self.sites[name]
         model.eval()
         desc = descriptor.to(device)[None] if descriptor is not None else None
@@ -161,7 +147,8 @@ class PrivateSites:
         seed = int(np.random.SeedSequence([site.seed, round_idx, 2]).generate_state(1, np.uint64)[0] >> 1)
         generator, _ = noise_generator("cpu", seed)
         return noised_prototypes(torch.cat(zs), torch.cat(ys), torch.as_tensor(site.units.unit_of), site.units.n_units,
-                                 N_CLASSES, self.cfg.privacy.noise_multiplier, generator)
+                                 N_CLASSES, prototype_sigma(self.cfg.privacy.noise_multiplier,
+                                                            self.cfg.privacy.prototype_noise_multiplier), generator)
 
     # ---------------------------------------------------------- reporting
     def epsilons(self) -> dict[str, float]:
@@ -178,6 +165,9 @@ class PrivateSites:
         p = self.cfg.privacy
         eps = self.epsilons()
         return {"unit": p.unit, "noise_multiplier": p.noise_multiplier, "clip_norm": p.clip_norm,
+                "prototype_noise_multiplier": (prototype_sigma(p.noise_multiplier, p.prototype_noise_multiplier)
+                                               if self.uploads_prototypes else None),
+                "class_counts": p.class_counts,
                 "sample_rate": p.sample_rate, "delta": p.delta, "target_epsilon": p.target_epsilon,
                 "steps_per_round": {n: s.steps_per_round() for n, s in sorted(self.sites.items())},
                 "units": {n: s.units.n_units for n, s in sorted(self.sites.items())},
