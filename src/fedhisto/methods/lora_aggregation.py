@@ -32,6 +32,7 @@ from fedhisto.config_base import Strict
 from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, lora_pairs
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
 from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
+from fedhisto.methods.dp_objective import objective_refusal
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -102,6 +103,13 @@ class LoraAggregated(Method):
         local = self.aggregator.local_factor
         return {n: {k: (update.states[n][k] if f".{local}." in k else v) for k, v in merged.items()}
                 for n in names}, update.server_state
+
+    def dp_refusal(self) -> str | None:
+        """Under DP-SGD the clients train fedavg_peft's objective per image (the base class's). Only the tensors
+        the method trains are clipped and noised (``trains``): for FFA-LoRA that is B alone, its paper's design
+        for DP; FedSA-LoRA's site-kept B is noised like the rest and never released. Aggregation, rank
+        truncation and the redistributed factors are post-processing of noised states."""
+        return objective_refusal(self.cfg)
 
     # ------------------------------------------------------------ accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
