@@ -207,8 +207,9 @@ def test_lora_loads_through_peft_on_the_tiny_encoder(run):
                               model.encoder_embedding(x), atol=1e-6)
 
 
-def hibou_folder(folder: Path, depth: int = 2) -> Path:
-    """A randomly initialised HIBOU-B-architecture folder (fewer blocks: the architecture, at test cost)."""
+def hibou_folder(folder: Path, depth: int | None = None) -> Path:
+    """A randomly initialised HIBOU-B folder in the hub's layout: its exact architecture (``depth`` fewer
+    blocks only where a test needs no more than a folder of the right kind)."""
     from fedhisto.model.encoder import random_encoder
 
     torch.manual_seed(3)
@@ -227,7 +228,7 @@ def test_lora_loads_through_peft_on_a_hibou_b_folder(tmp_path):
     folder = hibou_folder(tmp_path / "hibou")
     mcfg = ModelConfig.model_validate({"encoder": {"name": "hibou-b", "local_dir": str(folder)},
                                        "adapter_hidden": 16, "film_hidden": 16})
-    model = FedHistoModel(load_encoder_folder(folder, "hibou-b", depth=2), mcfg, film=True)
+    model = FedHistoModel(load_encoder_folder(folder, "hibou-b"), mcfg, film=True)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
@@ -235,10 +236,10 @@ def test_lora_loads_through_peft_on_a_hibou_b_folder(tmp_path):
     state = model.trainable_state()
     lora, _ = split_state(state)
     targets = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for k in lora})
-    assert len(targets) == 2 * 4  # query, key, value, attention output in each of the two blocks
+    assert len(targets) == 12 * 4  # query, key, value, attention output in each of HIBOU-B's twelve blocks
     write_member(tmp_path / "m", state, adapter_config(mcfg.model_dump(mode="json"), targets, "histai/hibou-b"))
     assert all(torch.equal(state[k], v) for k, v in read_member(tmp_path / "m").items())
-    enc = load_encoder_folder(folder, "hibou-b", depth=2)
+    enc = load_encoder_folder(folder, "hibou-b")
     peft_model = PeftModel.from_pretrained(enc.module, tmp_path / "m/lora")
     loaded = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
     assert len(loaded) == len(lora)
@@ -256,7 +257,7 @@ def test_a_package_is_refused_with_another_encoder_or_a_corrupted_tensor(run, tm
 
     with pytest.raises(PackageError, match="trained on encoder 'tiny', not 'hibou-b'"):
         load_package(run["pkg"], expect_encoder="hibou-b")
-    folder = hibou_folder(tmp_path / "hibou")
+    folder = hibou_folder(tmp_path / "hibou", depth=2)  # only its kind is read: the refusal names it
     out = tmp_path / "x.csv"
     assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out),
                     "--encoder-dir", str(folder)) == 2
