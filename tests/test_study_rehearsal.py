@@ -1,5 +1,5 @@
 """The rehearsal of the study (`pytest -m study`): the exact config/paper.yaml plus tests/study_rehearsal.yaml
-(scale only, and the two stated shrinks: crop 56, two methods) on folders made here in the three datasets'
+(scale only, and three stated settings: crop 56, two methods, no zoom views) on folders made here in the three datasets'
 real layouts, with the real HIBOU-B architecture randomly initialised and saved as a local snapshot folder
 (model.encoder.local_dir; the strict loader takes it as the hub's snapshot, require_pretrained stays true),
 run by `snakemake --cores 2` through every stage to the report."""
