@@ -129,37 +129,11 @@ def centre_zoom(rgb: np.ndarray, zoom: float) -> np.ndarray:
     return np.ascontiguousarray(rgb[top:top + side, left:left + side])
 
 
-def knn_cross(queries: np.ndarray, targets: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, int], float]:
-    """Pairs (i, j), i != j, where target row j is among query row i's k most cosine-similar
-    targets, or query i among target j's k most similar queries; both sets index the same images."""
-    n = len(queries)
-    if n < 2:
-        return {}
-    k = min(k, n - 1)
-    pairs: dict[tuple[int, int], float] = {}
-    for rows, cols in ((queries, targets), (targets, queries)):
-        for start in range(0, n, chunk):
-            sim = rows[start:start + chunk] @ cols.T
-            for r in range(sim.shape[0]):
-                sim[r, start + r] = -np.inf
-            top = np.argpartition(-sim, k - 1, axis=1)[:, :k]
-            for r in range(sim.shape[0]):
-                i = start + r
-                for j in top[r].tolist():
-                    key = (min(i, j), max(i, j))
-                    pairs[key] = max(pairs.get(key, -np.inf), float(sim[r, j]))
-    return pairs
-
-
-def knn_cosine(vectors: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, int], float]:
-    """Symmetrised k-nearest-neighbour pairs by plain cosine similarity of L2-normalised rows."""
-    n = len(vectors)
-    if n < 2:
-        return {}
-    k = min(k, n - 1)
-    pairs: dict[tuple[int, int], float] = {}
-    for start in range(0, n, chunk):
-        sim = vectors[start:start + chunk] @ vectors.T
+def _add_top_k(pairs: dict[tuple[int, int], float], rows: np.ndarray, cols: np.ndarray, k: int, chunk: int) -> None:
+    """Into ``pairs``: (i, j) for each of row i's k most similar columns j != i (both index the same
+    images), keeping the largest similarity an unordered pair is found at."""
+    for start in range(0, len(rows), chunk):
+        sim = rows[start:start + chunk] @ cols.T
         for r in range(sim.shape[0]):
             sim[r, start + r] = -np.inf
         top = np.argpartition(-sim, k - 1, axis=1)[:, :k]
@@ -168,4 +142,25 @@ def knn_cosine(vectors: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int
             for j in top[r].tolist():
                 key = (min(i, j), max(i, j))
                 pairs[key] = max(pairs.get(key, -np.inf), float(sim[r, j]))
+
+
+def knn_cross(queries: np.ndarray, targets: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, int], float]:
+    """Pairs (i, j), i != j, where target row j is among query row i's k most cosine-similar
+    targets, or query i among target j's k most similar queries; both sets index the same images."""
+    n = len(queries)
+    if n < 2:
+        return {}
+    pairs: dict[tuple[int, int], float] = {}
+    for rows, cols in ((queries, targets), (targets, queries)):
+        _add_top_k(pairs, rows, cols, min(k, n - 1), chunk)
+    return pairs
+
+
+def knn_cosine(vectors: np.ndarray, k: int, chunk: int = 1024) -> dict[tuple[int, int], float]:
+    """Symmetrised k-nearest-neighbour pairs by plain cosine similarity of L2-normalised rows."""
+    n = len(vectors)
+    if n < 2:
+        return {}
+    pairs: dict[tuple[int, int], float] = {}
+    _add_top_k(pairs, vectors, vectors, min(k, n - 1), chunk)
     return pairs
