@@ -133,3 +133,16 @@ def sources_overlay(folders: StudyFolders) -> list[dict]:
     sources = yaml.safe_load((repo / "config/paper.yaml").read_text())["cohort"]["real"]["sources"]
     roots = {"lc25000": folders.lc25000, "wsss4luad": folders.wsss4luad, "lunghist700": folders.lunghist700}
     return [{**s, "root": str(roots[s["kind"]])} for s in sources]
+
+
+def save_random_hibou_b(folder: Path, seed: int = 0, depth: int | None = None) -> Path:
+    """HIBOU-B's architecture (the registry entry's Dinov2WithRegisters config, as the hub's config.json
+    gives it), random weights, written as the hub snapshot is (config.json + model.safetensors). ``depth``:
+    fewer blocks, only where a test needs no more than a folder of the right kind."""
+    import torch
+
+    from fedhisto.model.encoder import random_encoder
+
+    torch.manual_seed(seed)
+    random_encoder("hibou-b", depth).save(folder)
+    return folder

@@ -18,6 +18,7 @@ import torch
 import yaml
 from conftest import TINY, write_image
 from PIL import Image
+from study_layouts import save_random_hibou_b
 
 from fedhisto import CLASSES
 
@@ -207,16 +208,6 @@ def test_lora_loads_through_peft_on_the_tiny_encoder(run):
                               model.encoder_embedding(x), atol=1e-6)
 
 
-def hibou_folder(folder: Path, depth: int | None = None) -> Path:
-    """A randomly initialised HIBOU-B folder in the hub's layout: its exact architecture (``depth`` fewer
-    blocks only where a test needs no more than a folder of the right kind)."""
-    from fedhisto.model.encoder import random_encoder
-
-    torch.manual_seed(3)
-    random_encoder("hibou-b", depth).save(folder)
-    return folder
-
-
 def test_lora_loads_through_peft_on_a_hibou_b_folder(tmp_path):
     from peft import PeftModel
 
@@ -225,7 +216,7 @@ def test_lora_loads_through_peft_on_a_hibou_b_folder(tmp_path):
     from fedhisto.model.encoder import load_encoder_folder, pooled_embedding
     from fedhisto.model.peft_model import FedHistoModel
 
-    folder = hibou_folder(tmp_path / "hibou")
+    folder = save_random_hibou_b(tmp_path / "hibou", seed=3)
     mcfg = ModelConfig.model_validate({"encoder": {"name": "hibou-b", "local_dir": str(folder)},
                                        "adapter_hidden": 16, "film_hidden": 16})
     model = FedHistoModel(load_encoder_folder(folder, "hibou-b"), mcfg, film=True)
@@ -257,7 +248,7 @@ def test_a_package_is_refused_with_another_encoder_or_a_corrupted_tensor(run, tm
 
     with pytest.raises(PackageError, match="trained on encoder 'tiny', not 'hibou-b'"):
         load_package(run["pkg"], expect_encoder="hibou-b")
-    folder = hibou_folder(tmp_path / "hibou", depth=2)  # only its kind is read: the refusal names it
+    folder = save_random_hibou_b(tmp_path / "hibou", seed=3, depth=2)  # only its kind is read: the refusal names it
     out = tmp_path / "x.csv"
     assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out),
                     "--encoder-dir", str(folder)) == 2

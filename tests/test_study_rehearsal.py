@@ -15,24 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from study_layouts import build_study_folders, sources_overlay
+from study_layouts import build_study_folders, save_random_hibou_b, sources_overlay
 
 pytestmark = pytest.mark.study
 REPO = Path(__file__).resolve().parents[1]
 OVERLAY = REPO / "tests/study_rehearsal.yaml"
 WSSS4LUAD_TILES = {"ACA": 6, "ACA+stroma": 2, "Normal": 8, "stroma": 1, "mixed": 1}
-
-
-def save_random_hibou_b(folder: Path, seed: int = 0) -> Path:
-    """HIBOU-B's architecture (the registry entry's Dinov2WithRegisters config, as the hub's config.json
-    gives it), random weights, written as the hub snapshot is (config.json + model.safetensors)."""
-    import torch
-
-    from fedhisto.model.encoder import random_encoder
-
-    torch.manual_seed(seed)
-    random_encoder("hibou-b").save(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
