@@ -1,6 +1,9 @@
 # fedhisto: stain-aware parameter-efficient federated learning for lung histopathology.
-# Stages are included in pipeline order; each lives in workflow/rules/<stage>.smk,
-# src/fedhisto/<stage>.py, scripts/<stage>.py and writes results/<stage>/.
+# Stages are included in pipeline order; each lives in three places of one name: its rules in
+# workflow/rules/<stage>.smk, its library in the package src/fedhisto/<stage>/ (entry: <stage>/stage.py)
+# and its thin Snakemake adapter scripts/<stage>.py (tests/test_layout.py walks the rules and checks all
+# three). A stage writes results/<stage>/, except predict (results/predictions/) and report
+# (results/tables/, results/figures/). workflow/rules/common.smk holds what the stages share.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -25,10 +28,11 @@ include: "workflow/rules/bootstrap.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/accounting.smk"
 include: "workflow/rules/experiments.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/classify.smk"
 
 
-# One warm process per local run imports torch, transformers and peft once for all jobs (fedhisto.warm).
+# One warm process per local run imports torch, transformers and peft once for all jobs (fedhisto.infra.warm_server).
 onstart:
     start_warm_server(workflow)
 

@@ -47,11 +47,11 @@ from PIL import Image
 
 from fedhisto.clearance.engine import audit_images
 from fedhisto.clearance.families import components, pairwise_scores
-from fedhisto.cohort import run_cohort
-from fedhisto.config import ClearanceConfig, CohortConfig
-from fedhisto.sources import read_sources_csv
-from fedhisto.synth.families import encode_jpeg, rotate_zoom
-from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.cohort.stage import run_cohort
+from fedhisto.config.study import ClearanceConfig, CohortConfig
+from fedhisto.realdata.sources import read_sources_csv
+from fedhisto.synth.relatives import encode_jpeg, rotate_zoom
+from fedhisto.synth.stain_styles import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def zoom_isolated(paths: list[str], truth: list[str], near: float = 1.35) -> tup
     family, the member with the most relatives that verify (>= 10 inliers) at a scale ratio beyond
     ``near``; its relatives within ``near`` of its own scale are left out. Returns (kept, isolated)."""
     from fedhisto.clearance.verify import extract, make_detector, verify
-    from fedhisto.imageio import load_rgb
+    from fedhisto.infra.imageio import load_rgb
 
     det, norm = make_detector("sift", 400)
     feats = [extract(load_rgb(p), det) for p in paths]

@@ -32,7 +32,7 @@ def main() -> None:
     import torch
 
     import fedhisto.federation.site as site
-    from fedhisto.config import load_config
+    from fedhisto.config.study import load_config
     from fedhisto.model.encoder import random_encoder
 
     torch.set_num_threads(args.threads)

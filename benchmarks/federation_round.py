@@ -80,7 +80,7 @@ def main() -> None:
     import torch
     from flower_support import prepare
 
-    from fedhisto.config import load_config_file
+    from fedhisto.config.study import load_config_file
     from fedhisto.train.stage import run_train
 
     prepared = prepare(work / "cohort")

@@ -48,7 +48,7 @@ export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # every module the steps import, before any time is spent (a missing one is named here, not minutes later)
 uni=$($PY - "$OUT/env.json" "$dry" 2>>"$log" <<'PYEOF'
 import datetime, importlib, json, os, platform, sys
-import fedhisto.bench, fedhisto.bench_report, fedhisto.train.loop, fedhisto.train.participants  # noqa: F401
+import fedhisto.bench.throughput, fedhisto.bench.gpu_summary, fedhisto.train.loop, fedhisto.train.participants  # noqa: F401
 import peft, torch, transformers
 try:
     import timm

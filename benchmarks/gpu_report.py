@@ -5,7 +5,7 @@ Usage::
     python benchmarks/gpu_report.py OUT            # prints the block and writes OUT/performance_block.md
 
 The tables and the full-grid estimate (39 study runs, at most 50 rounds, one GPU) come from
-``fedhisto.bench_report``.
+``fedhisto.bench.gpu_summary``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedhisto.atomic import write_text
-from fedhisto.bench_report import markdown
+from fedhisto.bench.gpu_summary import markdown
+from fedhisto.infra.atomic import write_text
 
 
 def main() -> None:

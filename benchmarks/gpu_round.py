@@ -24,17 +24,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
+from fedhisto.data.splits import Split
 from fedhisto.methods import build_method
 from fedhisto.model.build import pick_device
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split
-from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.registries.encoder_registry import ENCODER_NAMES, encoder_entry
+from fedhisto.synth.stain_styles import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 from fedhisto.train.loop import run_rounds
 from fedhisto.train.participants import InProcess
-from fedhisto.zoo import ENCODER_NAMES, encoder_entry
 
 
 def synthetic_split(n: int, site: str, seed: int) -> Split:

@@ -20,7 +20,7 @@ import time
 import torch
 from fedhisto.privacy.unit_loss import PastUnitLoss
 
-from fedhisto.config import ModelConfig
+from fedhisto.config.study import ModelConfig
 from fedhisto.model.encoder import ENCODER_SHAPES, random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.privacy.per_sample import per_image_gradients

@@ -30,8 +30,8 @@ from collections import defaultdict
 from itertools import combinations
 from pathlib import Path
 
-from fedhisto.config import load_config_file
-from fedhisto.manifest import sample_id
+from fedhisto.config.study import load_config_file
+from fedhisto.manifest.stage import sample_id
 
 SITES = {"C1": "site1", "C2": "site2", "C3": "site3", "C4": "site4", "C5": "site5", "EXT": "external"}
 
@@ -67,8 +67,8 @@ def main() -> int:
     args = ap.parse_args()
     from threadpoolctl import threadpool_limits
 
-    from fedhisto.clearance import run_clearance
-    from fedhisto.cohort import run_cohort
+    from fedhisto.clearance.stage import run_clearance
+    from fedhisto.cohort.stage import run_cohort
     from fedhisto.federation.coordinator import check_uploads, duplicate_audit
     from fedhisto.federation.prepare import prepare_site
     from fedhisto.federation.upload import read_upload

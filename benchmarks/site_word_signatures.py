@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from fedhisto.clearance.verify import extract, make_detector
-from fedhisto.imageio import load_rgb
+from fedhisto.infra.imageio import load_rgb
 
 
 def main() -> int:
@@ -79,11 +79,11 @@ def union_with_hash_audit(work: Path) -> None:
     from itertools import combinations
 
     from fedhisto.clearance.candidates import global_descriptor
-    from fedhisto.clearance.families import UnionFind
-    from fedhisto.config import load_config_file
+    from fedhisto.config.study import load_config_file
     from fedhisto.federation.coordinator import duplicate_audit
     from fedhisto.federation.upload import read_upload
-    from fedhisto.manifest import sample_id
+    from fedhisto.manifest.stage import sample_id
+    from fedhisto.realdata.union_find import UnionFind
 
     cfg = load_config_file("config/config.yaml")
     sites = {"C1": "site1", "C2": "site2", "C3": "site3", "C4": "site4", "C5": "site5", "EXT": "external"}

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhisto.config import StainConfig
-from fedhisto.imageio import load_rgb
-from fedhisto.stain import he_check, macenko_directions, optical_density, tissue_mask
+from fedhisto.config.study import StainConfig
+from fedhisto.infra.imageio import load_rgb
+from fedhisto.stain.stage import he_check, macenko_directions, optical_density, tissue_mask
 
 REPO = Path(__file__).resolve().parents[1]
 

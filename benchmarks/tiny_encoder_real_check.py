@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
 from fedhisto.model.encoder import load_encoder_folder, random_encoder
-from fedhisto.pretrain import run_pretrain
-from fedhisto.probe import clean_view, embed, load_probe_image, stain_sensitivity, summary_of
+from fedhisto.model.stain_probe import clean_view, embed, load_probe_image, stain_sensitivity, summary_of
+from fedhisto.pretrain.stage import run_pretrain
 
 LABELS = {"lung_aca": "ACA", "lung_n": "Normal", "lung_scc": "SCC"}
 

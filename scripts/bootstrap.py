@@ -5,9 +5,9 @@ Standalone: ``python scripts/bootstrap.py --config config/config.yaml --comparis
 
 import argparse
 
-from fedhisto.bootstrap import comparison_files, run_bootstrap
-from fedhisto.config import load_config_file
-from fedhisto.entry import from_snakemake, setup_logging
+from fedhisto.bootstrap.stage import comparison_files, run_bootstrap
+from fedhisto.entry import from_snakemake, study_config_file
+from fedhisto.infra.job_logging import setup_logging
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
@@ -21,7 +21,7 @@ elif __name__ == "__main__":
     parser.add_argument("--comparison", required=True)
     args = parser.parse_args()
     setup_logging()
-    cfg = load_config_file(args.config)
+    cfg = study_config_file(args.config)
     files = comparison_files(cfg, args.comparison)
     run_bootstrap(args.comparison, files["method"][1], files["reference"][1],
                   (files["method"][0], files["reference"][0]), cfg.bootstrap,

@@ -7,9 +7,9 @@ Standalone: ``python scripts/clearance.py --config config/config.yaml --sources 
 import argparse
 from pathlib import Path
 
-from fedhisto.clearance import run_clearance
-from fedhisto.config import load_config_file
-from fedhisto.entry import from_snakemake, setup_logging
+from fedhisto.clearance.stage import run_clearance
+from fedhisto.entry import from_snakemake, study_config_file
+from fedhisto.infra.job_logging import setup_logging
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
@@ -26,5 +26,5 @@ elif __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     setup_logging()
-    run_clearance(args.sources, load_config_file(args.config).clearance, args.out, threads=args.threads,
+    run_clearance(args.sources, study_config_file(args.config).clearance, args.out, threads=args.threads,
                   planted_csv=args.planted)

@@ -6,7 +6,7 @@ Under Snakemake this reads ``snakemake.config`` / ``snakemake.output``; standalo
 
 from pathlib import Path
 
-from fedhisto.cohort import run_cohort
+from fedhisto.cohort.stage import run_cohort
 from fedhisto.entry import from_argv, from_snakemake
 
 if "snakemake" in globals():

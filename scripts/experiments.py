@@ -4,7 +4,7 @@ One entry script for the stage's rules; each rule calls one library function. St
 ``snakemake results/experiments/<name>/<name>.json`` (the experiments need the main pipeline's artifacts).
 
 Every rule but two (rendering the shifted cohort, which forks a process pool, and building a condition's
-manifest, which needs no torch) hands its function to the warm server (``fedhisto.warm.call``), as the
+manifest, which needs no torch) hands its function to the warm server (``fedhisto.infra.warm_server.call``), as the
 main stages' scripts do: an experiments run is mostly short torch jobs (a sensitivity run alone has 94),
 each of which otherwise spent its first seconds importing torch, transformers and peft. The functions
 and arguments are those of a cold job; only the process that runs them differs.
@@ -13,7 +13,7 @@ and arguments are those of a cold job; only the process that runs them differs.
 from pathlib import Path
 
 from fedhisto.entry import from_snakemake, log_of
-from fedhisto.warm import call
+from fedhisto.infra.warm_server import call
 
 
 def warm(target: str, *args, **kwargs):
@@ -36,7 +36,7 @@ if "snakemake" in globals():
     elif rule == "pretrain_plain_encoder":
         from fedhisto.experiments.layout import plain_encoder_config
 
-        warm("fedhisto.pretrain:run_pretrain", plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads,
+        warm("fedhisto.pretrain.stage:run_pretrain", plain_encoder_config(cfg), smk.output.encoder, threads=smk.threads,
              manifest_csv=smk.input.get("manifest"))
     elif rule == "build_condition_manifest":
         from fedhisto.experiments.conditions import leave_one_site_out_manifest, policy_manifest
@@ -90,7 +90,7 @@ if "snakemake" in globals():
     elif rule == "predict_sensitivity":
         from fedhisto.experiments.sensitivity_layout import reading_config
 
-        warm("fedhisto.predict:run_predict", smk.wildcards.method, int(smk.wildcards.seed),
+        warm("fedhisto.predict.stage:run_predict", smk.wildcards.method, int(smk.wildcards.seed),
              Path(smk.input.status).parent, smk.input.manifest, smk.input.identity, smk.input.descriptors,
              reading_config(cfg, smk.wildcards.reading), Path(smk.output.external).parent,
              encoder_dir=encoder_dir(), threads=smk.threads)

@@ -8,9 +8,9 @@ Standalone: ``python scripts/manifest.py --config config/config.yaml --sources r
 import argparse
 from pathlib import Path
 
-from fedhisto.config import load_config_file
-from fedhisto.entry import from_snakemake, setup_logging
-from fedhisto.manifest import run_manifest
+from fedhisto.entry import from_snakemake, study_config_file
+from fedhisto.infra.job_logging import setup_logging
+from fedhisto.manifest.stage import run_manifest
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
@@ -23,4 +23,4 @@ elif __name__ == "__main__":
         parser.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
     setup_logging()
-    run_manifest(args.sources, args.families, args.edges, load_config_file(args.config), args.out)
+    run_manifest(args.sources, args.families, args.edges, study_config_file(args.config), args.out)

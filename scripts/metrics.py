@@ -6,21 +6,21 @@ Standalone: ``python scripts/metrics.py --config config/config.yaml`` (all confi
 import argparse
 from pathlib import Path
 
-from fedhisto.config import load_config_file
-from fedhisto.entry import from_snakemake, log_of, setup_logging
-from fedhisto.warm import call
+from fedhisto.entry import from_snakemake, log_of, study_config_file
+from fedhisto.infra.job_logging import setup_logging
+from fedhisto.infra.warm_server import call
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
     runs = [(m, int(s), f, t) for m, s, f, t in smk.params.runs]
-    call("fedhisto.metrics:run_metrics", runs, from_snakemake(smk), Path(smk.output.summary).parent, log_path=log_of(smk))
+    call("fedhisto.metrics.stage:run_metrics", runs, from_snakemake(smk), Path(smk.output.summary).parent, log_path=log_of(smk))
 elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="config/config.yaml")
     args = parser.parse_args()
     setup_logging()
-    cfg = load_config_file(args.config)
-    from fedhisto.metrics import run_metrics
+    cfg = study_config_file(args.config)
+    from fedhisto.metrics.stage import run_metrics
 
     runs = [(m, s, f"results/predictions/{m}/seed{s}", f"results/train/{m}/seed{s}") for m, s in cfg.train_runs()]
     run_metrics(runs, cfg, "results/metrics")

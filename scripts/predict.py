@@ -9,16 +9,16 @@ Standalone: ``python scripts/predict.py --config config/config.yaml --method pas
 import argparse
 from pathlib import Path
 
-from fedhisto.config import load_config_file
-from fedhisto.entry import from_snakemake, log_of, setup_logging
-from fedhisto.warm import call
+from fedhisto.entry import from_snakemake, log_of, study_config_file
+from fedhisto.infra.job_logging import setup_logging
+from fedhisto.infra.warm_server import call
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
     cfg = from_snakemake(smk)
     encoder = smk.input.encoder[0] if smk.input.encoder else None
     if hasattr(smk.wildcards, "seed"):  # one run (experiments' predict_condition)
-        call("fedhisto.predict:run_predict", smk.wildcards.method, int(smk.wildcards.seed),
+        call("fedhisto.predict.stage:run_predict", smk.wildcards.method, int(smk.wildcards.seed),
              Path(smk.input.status).parent, smk.input.manifest, smk.input.identity, smk.input.descriptors, cfg,
              Path(smk.output.test).parent, encoder_dir=encoder, threads=smk.threads, log_path=log_of(smk))
     else:  # every seed of one method: output folders are results/predictions/{method}/seed{seed}
@@ -28,7 +28,7 @@ if "snakemake" in globals():
         if sorted(out_dirs) != sorted(seeds) or sorted(train_dirs) != sorted(seeds):
             raise ValueError(f"predict {smk.wildcards.method}: seeds {seeds} vs outputs {sorted(out_dirs)} "
                              f"and inputs {sorted(train_dirs)}")
-        call("fedhisto.predict:run_predict_seeds", smk.wildcards.method, [(s, train_dirs[s], out_dirs[s]) for s in seeds],
+        call("fedhisto.predict.stage:run_predict_seeds", smk.wildcards.method, [(s, train_dirs[s], out_dirs[s]) for s in seeds],
              smk.input.manifest, smk.input.identity, smk.input.descriptors, cfg, encoder_dir=encoder,
              threads=smk.threads, log_path=log_of(smk))
 elif __name__ == "__main__":
@@ -38,8 +38,8 @@ elif __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=None, help="one seed (default: every seed the method trains on)")
     args = parser.parse_args()
     setup_logging()
-    cfg = load_config_file(args.config)
-    from fedhisto.predict import run_predict_seeds
+    cfg = study_config_file(args.config)
+    from fedhisto.predict.stage import run_predict_seeds
 
     seeds = [args.seed] if args.seed is not None else cfg.trained_seeds(args.method)
     runs = [(s, f"results/train/{args.method}/seed{s}", f"results/predictions/{args.method}/seed{s}") for s in seeds]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fedhisto.caveats import method_caveats, run_caveats
 from fedhisto.entry import from_argv, from_snakemake, log_of
-from fedhisto.warm import call
+from fedhisto.infra.warm_server import call
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
@@ -15,13 +15,13 @@ if "snakemake" in globals():
     external: dict[str, list[str]] = {}
     for (method, _seed), path in zip(smk.params.runs, smk.input.external, strict=True):
         external.setdefault(method, []).append(path)
-    call("fedhisto.report:run_report", smk.input.metrics, list(smk.input.bootstrap), smk.input.communication,
+    call("fedhisto.report.stage:run_report", smk.input.metrics, list(smk.input.bootstrap), smk.input.communication,
          external, Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent,
          bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg), method_caveats=method_caveats(cfg),
          log_path=log_of(smk))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
-    from fedhisto.report import run_report
+    from fedhisto.report.stage import run_report
 
     runs = config.train_runs()
     external: dict[str, list[str]] = {}

@@ -10,9 +10,9 @@ import logging
 from pathlib import Path
 
 from fedhisto.caveats import log_caveats
-from fedhisto.config import load_config_file
-from fedhisto.entry import from_snakemake, log_of, setup_logging
-from fedhisto.warm import call
+from fedhisto.entry import from_snakemake, log_of, study_config_file
+from fedhisto.infra.job_logging import setup_logging
+from fedhisto.infra.warm_server import call
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
@@ -34,7 +34,7 @@ elif __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     setup_logging()
-    config = load_config_file(args.config)
+    config = study_config_file(args.config)
     log_caveats(config, logging.getLogger("fedhisto.train"))
     from fedhisto.train.stage import run_train
 

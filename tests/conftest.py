@@ -109,11 +109,11 @@ def prepare_cohort(root: Path, tiny: dict) -> dict:
     """A rendered cohort (``tiny``'s profile), a manifest of its originals (every image its own family) and stain
     descriptors, under ``root``, with ``tiny`` as the config."""
     from fedhisto.clearance.stage import FAMILY_COLUMNS
-    from fedhisto.cohort import run_cohort
-    from fedhisto.config import PlantedFamilies, load_config
-    from fedhisto.manifest import run_manifest
-    from fedhisto.sources import read_sources_csv
-    from fedhisto.stain import run_stain
+    from fedhisto.cohort.stage import run_cohort
+    from fedhisto.config.study import PlantedFamilies, load_config
+    from fedhisto.manifest.stage import run_manifest
+    from fedhisto.realdata.sources import read_sources_csv
+    from fedhisto.stain.stage import run_stain
 
     cfg = load_config(tiny)
     synthetic = cfg.cohort.synthetic.model_copy(update={"planted": PlantedFamilies(families_per_site=0)})

@@ -70,8 +70,8 @@ def render_site_folders(root: Path) -> dict[str, Path]:
     style: per class 3 images at each client (``SITE_LOCAL``'s holdout fraction puts one in its
     holdout), 2 at the validation site, 1 at the test and external sites."""
     from fedhisto import CLASSES
-    from fedhisto.config import SyntheticCohort
-    from fedhisto.synth.cohort import Member, render_original
+    from fedhisto.config.study import SyntheticCohort
+    from fedhisto.synth.embedded_cohort import Member, render_original
 
     cfg = SyntheticCohort(image_size=96, external_image_size=96)
     key, out = 0, {}

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from fedhisto.accounting import MIB, communication_table, optimisation_sizes, run_accounting
-from fedhisto.config import load_config_file
-from fedhisto.fedmath.fedstain import style_traffic
+from fedhisto.accounting.stage import MIB, communication_table, optimisation_sizes, run_accounting
+from fedhisto.config.study import load_config_file
+from fedhisto.fedmath.fedstain_ops import style_traffic
 from fedhisto.fedmath.prototypes import prototype_traffic
 
 TABLE8 = {  # study Table 8: payload MiB, per-round MiB, overhead %

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhisto.atomic import atomic_path, write_json, write_text
-from fedhisto.provenance import (
+from fedhisto.infra.atomic import atomic_path, write_json, write_text
+from fedhisto.infra.provenance import (
     config_hash,
     cpu_caches,
     digest_path,

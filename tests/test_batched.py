@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
+from fedhisto.data.splits import Split
 from fedhisto.methods import build_method, method_names
 from fedhisto.methods.base import named_rng
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split
 from fedhisto.train.batched import StackedAdamW, batched_local_train, clip_per_member
 from fedhisto.train.local import local_train
 from fedhisto.train.plan import MemberJob
@@ -170,7 +170,7 @@ def test_a_round_of_the_loop_with_train_engine_batched_matches_sequential(name: 
 
 
 def test_sequential_keeps_the_identity_it_had_before_batched_became_the_default():
-    from fedhisto.stage_config import training_settings
+    from fedhisto.config.stage_blocks import training_settings
 
     # runs made before the default moved were sequential and carry no engine key: they stay valid
     sequential = load_config({**CFG, "train": {**CFG["train"], "engine": "sequential"}})
@@ -198,7 +198,7 @@ def test_device_view_pipeline_trains_a_round_like_the_host_pipeline(name: str):
 
 
 def test_view_pipeline_default_leaves_identity_and_fedstain_refuses_device_views():
-    from fedhisto.stage_config import training_settings
+    from fedhisto.config.stage_blocks import training_settings
 
     assert "view_pipeline" not in training_settings(load_config(CFG), "past_v2")
     on_device = load_config({**CFG, "train": {**CFG["train"], "view_pipeline": "device"}})

@@ -1,4 +1,4 @@
-"""One-sample bootstrap intervals and unpaired differences (fedhisto.bootstrap), which share the
+"""One-sample bootstrap intervals and unpaired differences (fedhisto.bootstrap.stage), which share the
 paired bootstrap's resampling."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from fedhisto.bootstrap import bootstrap_interval, independent_difference, paired_bootstrap
-from fedhisto.evaluation import macro_f1
+from fedhisto.stats.resampling import bootstrap_interval, independent_difference, paired_bootstrap
+from fedhisto.stats.scores import macro_f1
 
 METRICS = {"macro_f1", "balanced_accuracy", "accuracy", "recall_ACA", "recall_Normal", "recall_SCC"}
 

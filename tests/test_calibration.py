@@ -1,4 +1,4 @@
-"""Temperature scaling and calibration measures on stored probabilities (fedhisto.calibration)."""
+"""Temperature scaling and calibration measures on stored probabilities (fedhisto.stats.temperature)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from scipy.special import softmax
 
-from fedhisto.calibration import (
+from fedhisto.stats.scores import ece
+from fedhisto.stats.temperature import (
     apply_temperature,
     brier,
     calibration_summary,
@@ -16,7 +17,6 @@ from fedhisto.calibration import (
     nll,
     reliability_bins,
 )
-from fedhisto.evaluation import ece
 
 # three images, hand-scored: confidences 0.7 / 0.55 / 0.45, the third image wrong (argmax 1, label 2)
 HAND_P = np.array([[0.7, 0.2, 0.1], [0.1, 0.55, 0.35], [0.2, 0.45, 0.35]])

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedhisto.clearance import ClearanceError, run_audit_folder
 from fedhisto.clearance.engine import audit_images
 from fedhisto.clearance.families import components, pairwise_scores
 from fedhisto.clearance.hashing import dihedral_phashes, phash_pairs
+from fedhisto.clearance.stage import ClearanceError, run_audit_folder
 from fedhisto.clearance.verify import extract, make_detector, ratio_matches, verify
-from fedhisto.config import ClearanceConfig
-from fedhisto.synth.families import encode_jpeg, rotate_zoom, stain_shift
-from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.config.study import ClearanceConfig
+from fedhisto.synth.relatives import encode_jpeg, rotate_zoom, stain_shift
+from fedhisto.synth.stain_styles import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 
 
@@ -180,9 +180,9 @@ def test_audit_folder_writes_outputs_and_stops_on_truncated_file(tmp_path: Path)
 
 def _linking_case(link_min_inliers: int, link_min_pairs: int) -> tuple[list[list[int]], list[dict], list[tuple]]:
     """Families {0, 1} and {2, 3} after the first pass, singletons 4 and 5; verdicts stand in for images."""
-    from fedhisto.clearance.families import UnionFind
     from fedhisto.clearance.linking import link_families
     from fedhisto.clearance.verify import Verdict
+    from fedhisto.realdata.union_find import UnionFind
 
     def row(a, b, decision, inliers, scale):
         return {"a": a, "b": b, "stage": "descriptor", "decision": decision, "inliers": inliers, "scale": scale,
@@ -245,8 +245,8 @@ def test_second_pass_thresholds_are_obeyed(inliers, pairs, expected):
 def test_second_pass_key_must_relax_the_threshold():
     with pytest.raises(ValueError, match="link_min_inliers"):
         ClearanceConfig(min_inliers=10, link_min_inliers=12)
-    from fedhisto.config import load_config
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
+    from fedhisto.config.study import load_config
 
     # on by default, a behaviour change: both keys are in clearance's identity, and switching it off changes it
     block = stage_block(load_config({}), "clearance")
@@ -259,8 +259,8 @@ def test_near_misses_against_copies_of_one_picture_count_once(stage, linked):
     """Singleton 0 nearly verifies with both members of family {1, 2}: two pieces of evidence when
     1 and 2 are distinct pictures (joined by a local-feature edge), one when they are copies of
     one picture (exact or PHash edge), since a chance match repeats itself on a copy."""
-    from fedhisto.clearance.families import UnionFind
     from fedhisto.clearance.linking import link_families
+    from fedhisto.realdata.union_find import UnionFind
 
     uf = UnionFind(3)
     uf.union(1, 2)

@@ -19,9 +19,9 @@ from PIL import Image
 from fedhisto.clearance.candidates import centre_zoom, knn_cross, vocabulary
 from fedhisto.clearance.engine import audit_images
 from fedhisto.clearance.verify import extract, make_detector
-from fedhisto.config import ClearanceConfig
-from fedhisto.synth.families import encode_jpeg
-from fedhisto.synth.stain import SITE_STYLES, render_rgb
+from fedhisto.config.study import ClearanceConfig
+from fedhisto.synth.relatives import encode_jpeg
+from fedhisto.synth.stain_styles import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
 
 ZOOM = 1.8  # within the 1.4-1.9 measured between real LC25000 relatives
@@ -65,7 +65,7 @@ def _rank(row: np.ndarray, j: int) -> int:
 
 
 def test_zoom_view_ranks_the_zoomed_relative_first(corpus):
-    from fedhisto.imageio import load_rgb
+    from fedhisto.infra.imageio import load_rgb
 
     det, _ = make_detector("sift", 100)
     rgbs = [load_rgb(p) for p in corpus]
@@ -144,8 +144,8 @@ def test_benchmark_zoom_command_runs_and_skips_without_the_real_sample(tmp_path)
 def test_zoom_near_misses_do_not_make_families_suspect(stage, suspect):
     """The second pass relaxes the threshold only on the sources it was measured on: a zoom-view pair
     must verify outright (its near misses linked unrelated synthetic families in the benchmark)."""
-    from fedhisto.clearance.families import UnionFind
     from fedhisto.clearance.linking import suspects
+    from fedhisto.realdata.union_find import UnionFind
 
     uf = UnionFind(4)
     uf.union(0, 1)

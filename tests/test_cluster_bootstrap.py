@@ -13,15 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhisto.bootstrap import (
-    cluster_index,
-    cluster_weights,
-    paired_bootstrap,
-    resample_weights,
-    run_bootstrap,
-)
-from fedhisto.config import BootstrapConfig, load_config
-from fedhisto.predictions import COLUMNS, PROB_COLUMNS
+from fedhisto.bootstrap.stage import run_bootstrap
+from fedhisto.config.study import BootstrapConfig, load_config
+from fedhisto.stats.prediction_files import COLUMNS, PROB_COLUMNS
+from fedhisto.stats.resampling import cluster_index, cluster_weights, paired_bootstrap, resample_weights
 
 
 @pytest.mark.parametrize(

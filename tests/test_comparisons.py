@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from sklearn.metrics import f1_score
 
-from fedhisto.bootstrap import comparison_files, run_bootstrap
-from fedhisto.config import ConfigError, load_config, load_config_file
-from fedhisto.evaluation import classification_metrics
+from fedhisto.bootstrap.stage import comparison_files, run_bootstrap
+from fedhisto.config.study import ConfigError, load_config, load_config_file
+from fedhisto.stats.scores import classification_metrics
 
 NAMES = ("ACA", "Normal", "SCC")
 Y = np.array([0, 1, 2] * 20)                                   # 60 external images
@@ -174,7 +174,7 @@ def test_every_comparison_the_pipeline_plans_ensembles_matched_seeds(repo: Path,
 
 
 def test_tables_6_and_7_split_by_the_flag_and_print_bounded_p(predictions):
-    from fedhisto.report import run_report
+    from fedhisto.report.stage import run_report
 
     cfg = load_config(CFG)
     paths = []
@@ -213,7 +213,7 @@ def test_a_comparator_that_departs_from_its_paper_is_marked_in_every_row_and_und
     """``method_caveats`` (``fedhisto.caveats.method_caveats``): the marked method's rows and every
     comparison with it carry the line in a ``caveat`` column, and a note under each table says it is no
     finding; unmarked rows keep an empty cell and the numbers are untouched."""
-    from fedhisto.report import run_report
+    from fedhisto.report.stage import run_report
 
     cfg = load_config(CFG)
     _run(cfg, "v2_vs_fedavg")

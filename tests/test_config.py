@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedhisto.config import Config, ConfigError, json_schema_text, load_config, load_config_file
+from fedhisto.config.study import Config, ConfigError, json_schema_text, load_config, load_config_file
 
 
 def test_defaults_are_the_studys_numbers():
@@ -107,9 +107,9 @@ def test_run_seeds_are_distinct_non_negative_integers_named_by_key(key: str, see
 
 
 def test_method_settings_blocks_come_from_the_registry_and_the_stored_schema_is_current():
-    from fedhisto.config import settings_schema_text
+    from fedhisto.config.study import settings_schema_text
     from fedhisto.methods import settings_blocks
-    from fedhisto.registry import SCHEMA_FILE
+    from fedhisto.registries.method_registry import SCHEMA_FILE
 
     assert SCHEMA_FILE.read_text() == settings_schema_text(), "run: fedhisto schema --write workflow/schemas/config.schema.json"
     cfg = load_config({"train": {"past": {"weight_js": 0.5}}})
@@ -122,7 +122,7 @@ def test_method_settings_blocks_come_from_the_registry_and_the_stored_schema_is_
 
 
 def test_if_changed_fields_enter_identities_only_when_set():
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
 
     default = stage_block(load_config({}), "train", method="past_v2", seed=11)
     # train.engine is an unless("sequential") field: the batched default enters, sequential does not
@@ -145,7 +145,7 @@ def test_comparator_seeds_give_only_the_extra_comparators_fewer_seeds():
     assert ("fedstain", 22) not in fewer.train_runs() and ("past_v2", 22) in fewer.train_runs()
     assert today.train_runs()[:5] == [("fedavg_peft", s) for s in (11, 22, 33, 44, 55)]
     # the default leaves every run identity as it was: the key never enters a training block
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
 
     assert stage_block(fewer, "train", method="fedstain", seed=11) == stage_block(today, "train", method="fedstain",
                                                                                   seed=11)

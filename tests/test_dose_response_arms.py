@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 from sklearn.metrics import f1_score
 
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
 from fedhisto.experiments import layout as X
 from fedhisto.experiments.dose_response import difference_pairs, summarise_dose_response
-from fedhisto.predictions import PROB_COLUMNS, write_predictions
+from fedhisto.stats.prediction_files import PROB_COLUMNS, write_predictions
 
 SEVERITIES = [0.0, 1.0]
 N = 30  # images per severity
@@ -53,7 +53,7 @@ def test_arm_enters_the_default_dose_response_runs_and_pairs():
     # without the arm's runs only the principal pair is left
     assert difference_pairs(["fedavg_peft", "past_v2"], ["fedavg_peft_stain"]) == [("past_v2", "fedavg_peft")]
     # the arm does not change the shifted cohort's images
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
 
     none = load_config({"experiments": {"dose_response": {"extra_methods": []}}})
     assert stage_block(cfg, "shift_cohort") == stage_block(none, "shift_cohort")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fedhisto.federation.site as site_mod
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
 from fedhisto.federation.encoder_cache import encoder_cache_file
 
 TINY = {"model": {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 16, "film_hidden": 16}}
@@ -102,7 +102,7 @@ def test_a_file_of_another_key_or_a_damaged_file_is_rebuilt_and_overwritten(tmp_
     assert len(builds) == 3 and torch.load(path, weights_only=True)["key"] == key
 
     # other code, or another encoder config, is another key: another file, never this one
-    import fedhisto.code_identity as ci
+    import fedhisto.infra.code_identity as ci
 
     monkeypatch.setattr(ci, "code_identity", lambda: {"source_digest": "other code"})
     assert encoder_cache_file(cache, cfg, "")[0] != path

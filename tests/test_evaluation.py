@@ -16,8 +16,9 @@ from sklearn.metrics import (
     roc_auc_score,
 )
 
-from fedhisto.bootstrap import AlignmentError, ensemble, paired_bootstrap
-from fedhisto.evaluation import classification_metrics, ece, macro_f1
+from fedhisto.stats.prediction_files import AlignmentError, ensemble
+from fedhisto.stats.resampling import paired_bootstrap
+from fedhisto.stats.scores import classification_metrics, ece, macro_f1
 
 
 def random_case(seed: int, n: int = 300, classes=(0, 1, 2)):
@@ -184,9 +185,9 @@ def test_a_multi_model_method_is_scored_as_its_mean_model(tmp_path):
     """local_only writes one row per image and client model; metrics and the bootstrap average the models."""
     import numpy as np
 
-    from fedhisto.bootstrap import paired_bootstrap
-    from fedhisto.evaluation import classification_metrics, mean_over_models
-    from fedhisto.predictions import ensemble_members, write_predictions
+    from fedhisto.stats.prediction_files import ensemble_members, write_predictions
+    from fedhisto.stats.resampling import paired_bootstrap
+    from fedhisto.stats.scores import classification_metrics, mean_over_models
 
     y = np.array([0, 1, 2, 0, 1, 2])
     good = np.eye(3)[y] * 0.8 + 0.2 / 3

@@ -11,13 +11,13 @@ import pytest
 from test_manifest import write_corpus
 
 from fedhisto.clearance.stage import kept_by
-from fedhisto.config import load_config
-from fedhisto.evaluation import macro_f1
-from fedhisto.experiment_stats import difference, interval, metric_replicates
+from fedhisto.config.study import load_config
 from fedhisto.experiments import layout
 from fedhisto.experiments.conditions import ConditionError, leave_one_site_out_manifest, policy_manifest
 from fedhisto.experiments.leakage import relatives_in_training
-from fedhisto.manifest import run_manifest
+from fedhisto.manifest.stage import run_manifest
+from fedhisto.stats.ensemble_intervals import difference, interval, metric_replicates
+from fedhisto.stats.scores import macro_f1
 
 
 def _rows(path: Path) -> list[dict]:

@@ -35,9 +35,9 @@ def _tiny_two_seeds() -> dict:
 def run(prepared, tmp_path_factory) -> dict:
     """Two one-round past_v2 seeds on the shared tiny cohort, predicted and exported, laid out as a
     pipeline's results/ folder (the README's commands run in ``work``)."""
-    from fedhisto.config import load_config
+    from fedhisto.config.study import load_config
     from fedhisto.export.stage import run_export
-    from fedhisto.predict import run_predict_seeds
+    from fedhisto.predict.stage import run_predict_seeds
     from fedhisto.train.stage import run_train
 
     root = tmp_path_factory.mktemp("export")
@@ -78,7 +78,7 @@ def read_csv(path: Path) -> list[dict]:
 
 def pipeline_ensemble(run: dict) -> dict[str, tuple[int, np.ndarray]]:
     """The pipeline's own ensemble (metrics stage) keyed by image path relative to the external folder."""
-    from fedhisto.predictions import ensemble
+    from fedhisto.stats.prediction_files import ensemble
 
     ids, y, probs = ensemble([run["preds"] / f"seed{s}/external.csv" for s in SEEDS])
     path_of = {r["sample_id"]: Path(r["path"]).resolve().relative_to(run["images"].resolve()).as_posix()
@@ -108,8 +108,8 @@ def test_uncalibrated_centroid_classification_equals_the_pipeline_ensemble(run, 
 
 
 def test_calibrated_probabilities_use_the_validation_fitted_temperature(run, tmp_path):
-    from fedhisto.calibration import apply_temperature, fit_temperature
-    from fedhisto.predictions import ensemble
+    from fedhisto.stats.prediction_files import ensemble
+    from fedhisto.stats.temperature import apply_temperature, fit_temperature
 
     meta = json.loads((run["pkg"] / "package.json").read_text())
     _, y, p = ensemble([run["train"] / f"seed{s}/validation_predictions.csv" for s in SEEDS])
@@ -129,8 +129,8 @@ def test_calibrated_probabilities_use_the_validation_fitted_temperature(run, tmp
 
 
 def test_labels_add_metrics_with_bootstrap_intervals(run, tmp_path):
-    from fedhisto.calibration import apply_temperature
-    from fedhisto.evaluation import classification_metrics
+    from fedhisto.stats.scores import classification_metrics
+    from fedhisto.stats.temperature import apply_temperature
 
     expected = pipeline_ensemble(run)
     labels = tmp_path / "labels.csv"
@@ -211,7 +211,7 @@ def test_lora_loads_through_peft_on_the_tiny_encoder(run):
 def test_lora_loads_through_peft_on_a_hibou_b_folder(tmp_path):
     from peft import PeftModel
 
-    from fedhisto.config_model import ModelConfig
+    from fedhisto.config.model_settings import ModelConfig
     from fedhisto.export.package import PEFT_PREFIX, adapter_config, read_member, split_state, write_member
     from fedhisto.model.encoder import load_encoder_folder, pooled_embedding
     from fedhisto.model.peft_model import FedHistoModel
@@ -315,8 +315,8 @@ def test_bad_images_are_converted_or_listed_and_an_empty_folder_is_an_error(run,
 
 
 def test_site_descriptor_is_the_stain_estimator_standardised_and_falls_back_on_blank_tiles(run, tmp_path):
-    from fedhisto.config_data import StainConfig
-    from fedhisto.stain import client_descriptor
+    from fedhisto.config.data_settings import StainConfig
+    from fedhisto.stain.stage import client_descriptor
 
     meta = json.loads((run["pkg"] / "package.json").read_text())
     out = tmp_path / "s.csv"
@@ -378,8 +378,8 @@ def planned_jobs(snakemake_bin: str, repo: Path, workdir: Path, *extra: str) -> 
 def test_a_classify_folder_adds_only_export_and_classify_jobs(tmp_path, repo, snakemake_bin):
     from conftest import write_tiny_config
 
-    from fedhisto.config import load_config_file
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
+    from fedhisto.config.study import load_config_file
 
     path = write_tiny_config(tmp_path)
     before = planned_jobs(snakemake_bin, repo, tmp_path)

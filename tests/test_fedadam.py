@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import train
 
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, RoundUpdate
 from fedhisto.methods.fedadam import pair_key
@@ -127,7 +127,7 @@ def test_a_killed_fedadam_run_resumes_to_the_identical_state_and_moments(prepare
 
 
 def test_table8_row_is_fedavg_peft_traffic():
-    from fedhisto.accounting import communication_table
+    from fedhisto.accounting.stage import communication_table
 
     rows = {r["method"]: r for r in communication_table(load_config({"train": {"methods": ["fedavg_peft", "fedadam"]}}))}
     same = ("payload_mib", "model_per_round_mib", "per_round_mib", "other_extra_per_round_mib")

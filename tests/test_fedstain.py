@@ -9,7 +9,7 @@ import pytest
 import scipy.stats as st
 import torch
 
-from fedhisto.fedmath.fedstain import (
+from fedhisto.fedmath.fedstain_ops import (
     StyleStats,
     augmix,
     channel_moments,
@@ -115,8 +115,8 @@ def test_augmix_is_reproducible_bounded_and_changes_the_image():
 
 
 # ------------------------------------------------ fedstain_code: the authors' code, pixel-level
-from fedhisto.config import load_config  # noqa: E402
-from fedhisto.fedmath.fedstain_code import (  # noqa: E402
+from fedhisto.config.study import load_config  # noqa: E402
+from fedhisto.fedmath.fedstain_code_ops import (  # noqa: E402
     PixelMoments,
     code_upload_count,
     pixel_moments,
@@ -204,8 +204,8 @@ def test_fedstain_code_pool_excludes_the_clients_own_statistics():
 
 
 def test_fedstain_code_uploads_pixel_moments_of_floor_r_n_images():
-    from fedhisto.splits import Split
-    from fedhisto.views import eval_view
+    from fedhisto.data.splits import Split
+    from fedhisto.data.views import eval_view
 
     cfg = load_config({"views": {"crop_size": 16}})
     gen = np.random.default_rng(0)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedhisto.config import load_config
-from fedhisto.fedmath.fedstain import augmix
-from fedhisto.fedmath.fedstain_code import torchvision_augmix
-from fedhisto.stage_config import stage_block
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import load_config
+from fedhisto.fedmath.fedstain_code_ops import torchvision_augmix
+from fedhisto.fedmath.fedstain_ops import augmix
 
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -65,7 +65,7 @@ def test_torchvision_augmix_is_seeded_per_image_and_changes_colour():
 
 @pytest.mark.zoo
 def test_generated_views_use_torchvision_augmix_when_asked():
-    from fedhisto.fedmath.fedstain_code import PixelMoments
+    from fedhisto.fedmath.fedstain_code_ops import PixelMoments
     from fedhisto.methods.fedstain import from_unit
     from fedhisto.methods.fedstain_code import generated_views
 

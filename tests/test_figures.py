@@ -1,4 +1,4 @@
-"""Shared figure helpers (fedhisto.figures): intervals drawn as given, legends off the data."""
+"""Shared figure helpers (fedhisto.infra.plotting): intervals drawn as given, legends off the data."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.collections import PolyCollection
 
-from fedhisto.figures import (
+from fedhisto.infra.plotting import (
     legend_outside,
     plot_bars_with_ci,
     plot_lines_with_bands,

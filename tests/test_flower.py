@@ -21,7 +21,7 @@ pytest.importorskip("flwr")
 
 from flower_support import SITES, LocalGrid, prepare
 
-from fedhisto.config import load_config_file
+from fedhisto.config.study import load_config_file
 from fedhisto.train.stage import run_train
 
 pytestmark = pytest.mark.flower
@@ -32,7 +32,7 @@ SIM_METHODS = ("fedavg_peft", "past_v2", "fedstain")
 
 def federable_methods() -> list[str]:
     """Every registered method with one global model that a federation can run (from the registry)."""
-    from fedhisto.config import load_config
+    from fedhisto.config.study import load_config
     from fedhisto.methods import build_method, method_names
     from fedhisto.methods.base import GLOBAL, Method
 
@@ -121,8 +121,8 @@ def test_records_round_trip_every_hook_value_exactly():
     from flwr.app import RecordDict
 
     from fedhisto.federation.records import get_payload, get_value, put_payload, put_value
-    from fedhisto.fedmath.fedstain import StyleStats
-    from fedhisto.fedmath.fedstain_code import PixelMoments
+    from fedhisto.fedmath.fedstain_code_ops import PixelMoments
+    from fedhisto.fedmath.fedstain_ops import StyleStats
     from fedhisto.fedmath.prototypes import ClientPrototypes, ServerPrototypes
 
     g = torch.Generator().manual_seed(0)
@@ -271,13 +271,13 @@ def test_federated_evaluation_equals_central_predict_and_metrics_and_counts_refu
     the central predict stage's byte for byte, so metrics (and the bootstrap) are too; a site that opts
     out of rows returns counts, from which the count-computable metrics equal the per-image ones and
     AUROC, the ensemble and the bootstrap are refused naming it."""
-    from fedhisto.evaluation import classification_metrics
     from fedhisto.federation.evaluate import CountsOnly, EvalTarget, cohort_metrics, require_rows
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange
-    from fedhisto.metrics import run_metrics
-    from fedhisto.predict import run_predict
-    from fedhisto.predictions import read_predictions
+    from fedhisto.metrics.stage import run_metrics
+    from fedhisto.predict.stage import run_predict
+    from fedhisto.stats.prediction_files import read_predictions
+    from fedhisto.stats.scores import classification_metrics
 
     cfg = load_config_file(prepared["config"])
     train = tmp_path / "train"
@@ -335,9 +335,9 @@ def test_a_site_that_does_not_answer_is_recorded_unavailable(prepared: dict, tmp
 
 def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: dict, tmp_path: Path, monkeypatch):
     import fedhisto.federation.handlers as handlers
-    from fedhisto.code_identity import identity_strings
     from fedhisto.federation.server import FederatedRun
     from fedhisto.federation.server_app import GridExchange
+    from fedhisto.infra.code_identity import identity_strings
 
     real = identity_strings()
 
@@ -359,9 +359,9 @@ def test_a_site_on_other_code_is_refused_by_name_and_the_others_train(prepared: 
 
 
 def test_flower_checkpoint_goes_through_predict_metrics_and_bootstrap(prepared: dict, tmp_path: Path):
-    from fedhisto.bootstrap import run_bootstrap
-    from fedhisto.metrics import run_metrics
-    from fedhisto.predict import run_predict
+    from fedhisto.bootstrap.stage import run_bootstrap
+    from fedhisto.metrics.stage import run_metrics
+    from fedhisto.predict.stage import run_predict
 
     cfg = load_config_file(prepared["config"])
     train = tmp_path / "results/train/fedavg_peft/seed11"
@@ -562,14 +562,14 @@ def test_deployment_sites_with_only_their_own_folders_prepare_train_evaluate_at_
     import yaml
     from flower_support import ROLES, SITE_FOLDERS, SITE_LOCAL, render_site_folders
 
-    from fedhisto.bootstrap import run_bootstrap
-    from fedhisto.config import load_config
+    from fedhisto.bootstrap.stage import run_bootstrap
+    from fedhisto.config.study import load_config
     from fedhisto.federation.coordinator import check_uploads
     from fedhisto.federation.localhost import LocalFederation, SiteSpec, wait_run_end
     from fedhisto.federation.prepare import prepare_site
     from fedhisto.federation.worker import AUDIT_VAR
-    from fedhisto.metrics import run_metrics
-    from fedhisto.predict import run_predict
+    from fedhisto.metrics.stage import run_metrics
+    from fedhisto.predict.stage import run_predict
 
     cfg = load_config(SITE_LOCAL)
     config = tmp_path / "config.yaml"

@@ -26,7 +26,7 @@ import pytest
 import torch
 from test_batched import CFG, perturbed, round_inputs, split
 
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
 from fedhisto.methods import build_method, method_names
 from fedhisto.methods.base import Batch, training_autocast
 from fedhisto.model.encoder import random_encoder
@@ -81,7 +81,7 @@ def test_a_bf16_round_stays_finite_and_close_to_float32(name: str, engine: str):
 
 
 def test_precision_default_is_the_studys_amp_and_leaves_identities_unchanged():
-    from fedhisto.stage_config import training_settings
+    from fedhisto.config.stage_blocks import training_settings
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not isinstance(training_autocast(cpu), torch.autocast)            # auto on a CPU: float32
@@ -100,7 +100,7 @@ def test_precision_default_is_the_studys_amp_and_leaves_identities_unchanged():
 
 
 def test_compile_is_refused_under_the_sequential_engine():
-    from fedhisto.config_base import ConfigError
+    from fedhisto.infra.settings_base import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match=r"train\.compile.*train\.engine: batched"):
         load_config({**CFG, "train": {**CFG["train"], "compile": True, "engine": "sequential"}})
@@ -184,7 +184,7 @@ def test_the_full_grid_is_the_studys_39_runs_and_its_work_follows_table_2():
     2 epochs x 5,325 optimisation images (Table 2), paired for v2 and its ablations (14 runs), half a
     pair per image for the 25 single-view runs; 1,419 validation images; 2,677 prototype images (at most
     256 per client and present class) for v1, v2, no-JS, no-feat (16 runs); 2,869 final images per run."""
-    from fedhisto.bench_report import study_work
+    from fedhisto.bench.gpu_summary import study_work
 
     work = study_work()
     assert work.runs == 39 and work.rounds == 50
@@ -204,7 +204,7 @@ def _bench_row(members: int, **figures) -> dict:
 def test_the_grid_estimate_adds_training_views_and_inference_at_the_measured_rates(tmp_path):
     import json
 
-    from fedhisto.bench_report import estimates, markdown, study_work
+    from fedhisto.bench.gpu_summary import estimates, markdown, study_work
 
     work = study_work()
     bench = [_bench_row(5, batched_pairs_s=1000.0), _bench_row(25)]
@@ -249,11 +249,11 @@ class Refuse(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {NOT_ON_THE_DEVICE!r}:
             raise ImportError(f"{{name}} is not on the GPU machine")
 sys.meta_path.insert(0, Refuse())
-import fedhisto.bench, fedhisto.bench_report, fedhisto.cli, fedhisto.train.loop, fedhisto.train.participants
+import fedhisto.bench.throughput, fedhisto.bench.gpu_summary, fedhisto.cli, fedhisto.train.loop, fedhisto.train.participants
 for script in ("gpu_round", "gpu_report"):
     spec = importlib.util.spec_from_file_location(script, "{repo}/benchmarks/" + script + ".py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
-fedhisto.bench_report.study_work()
+fedhisto.bench.gpu_summary.study_work()
 fedhisto.cli.build_parser().parse_args(["bench", "--members", "5", "25", "--compile", "--depth", "1"])
 print("ok")
 """
@@ -290,7 +290,7 @@ def test_the_uni_bench_runs_the_timm_vit_l_at_toy_size():
     """The GPU check's bench_uni step on timm's fused-qkv ViT-L/16 (one block, batches of one): the
     member LoRA patch, both engines' steps and the inference passes run and give positive rates."""
     pytest.importorskip("timm")
-    from fedhisto.bench import run_bench
+    from fedhisto.bench.throughput import run_bench
 
     r = run_bench("uni", members=2, micro=1, accum=1, iters=1, warmup=1, inference_batch=2, depth=1, view_samples=2)
     assert (r["encoder"], r["depth"], r["full_depth"], r["members"]) == ("uni", 1, False, 2)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedhisto.imageio import UnreadableImageError, load_rgb
+from fedhisto.infra.imageio import UnreadableImageError, load_rgb
 
 
 def _jpeg_bytes(seed: int = 0) -> bytes:

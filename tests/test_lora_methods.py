@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import train
 
-from fedhisto.accounting import communication_table
-from fedhisto.config import load_config
+from fedhisto.accounting.stage import communication_table
+from fedhisto.config.study import load_config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL
 
@@ -50,7 +50,7 @@ def test_ffa_lora_keeps_a_bitwise_at_its_initialisation_and_trains_b(prepared: d
 
 def test_fedsa_lora_keeps_one_model_per_site_sharing_all_but_b_and_scores_its_own_holdout(prepared: dict,
                                                                                          tmp_path: Path):
-    from fedhisto.predict import run_predict
+    from fedhisto.predict.stage import run_predict
 
     out = tmp_path / "fedsa"
     train(prepared, "fedsa_lora", out, cfg=tiny(prepared))
@@ -75,7 +75,7 @@ def test_fedsa_lora_keeps_one_model_per_site_sharing_all_but_b_and_scores_its_ow
 def test_flexlora_trains_a_rank_one_site_at_rank_one(prepared: dict, tmp_path: Path):
     """C1 at rank 1 in a rank-8 model: it starts from the aggregate's leading direction and its local
     training keeps every other direction exactly zero (zero factors get zero gradients)."""
-    from fedhisto.splits import load_partitions
+    from fedhisto.data.splits import load_partitions
     from fedhisto.train.local import local_train
 
     doc = prepared["cfg"].model_dump(mode="json")
@@ -140,8 +140,8 @@ def test_the_flower_engine_refuses_a_method_with_one_model_per_site_by_name():
 
 
 def test_tables_say_how_a_method_with_one_model_per_site_is_scored(tmp_path: Path):
-    from fedhisto.predictions import write_predictions
-    from fedhisto.report import model_notes
+    from fedhisto.report.stage import model_notes
+    from fedhisto.stats.prediction_files import write_predictions
 
     def rows(models, clients, cohort):
         return [{"sample_id": f"{c}{m}", "label": "ACA", "p_ACA": "1", "p_Normal": "0", "p_SCC": "0", "pred": "ACA",

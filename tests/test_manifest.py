@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from fedhisto.clearance.stage import FAMILY_COLUMNS
-from fedhisto.config import load_config
-from fedhisto.manifest import (
+from fedhisto.config.study import load_config
+from fedhisto.manifest.stage import (
     ManifestError,
     boundary,
     boundary_audit,
@@ -17,8 +17,8 @@ from fedhisto.manifest import (
     holdout_count,
     sample_id,
 )
-from fedhisto.sources import SourceRow, write_sources_csv
-from fedhisto.synth.cohort import plan_cohort
+from fedhisto.realdata.sources import SourceRow, write_sources_csv
+from fedhisto.synth.embedded_cohort import plan_cohort
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_holdout_rounding_is_half_to_even_and_keeps_one(n, frac, expected):
 
 def write_corpus(tmp_path: Path, profile: str, copies_as_separate_families: bool = False) -> tuple[Path, Path, Path]:
     """sources.csv / families.csv / edges.csv for a synthetic plan, without rendering a pixel."""
-    from fedhisto.config import SyntheticCohort
+    from fedhisto.config.study import SyntheticCohort
 
     members = plan_cohort(SyntheticCohort(profile=profile))
     rows = [SourceRow(path=f"/x/{m.relpath}", relpath=m.relpath, label=m.label, source="synthetic", site=m.site,
@@ -153,7 +153,7 @@ def test_too_small_corpus_stops_with_demand_against_available(tmp_path: Path):
 def test_scaling_only_when_allowed_and_recorded(tmp_path: Path, caplog):
     sources, families, _ = write_corpus(tmp_path, "small")
     _drop_site1_aca(families)
-    with caplog.at_level("WARNING", logger="fedhisto.manifest"):
+    with caplog.at_level("WARNING", logger="fedhisto.manifest.stage"):
         _, info = build_manifest(sources, families, load_config({"manifest": {"allow_scaling": True}}))
     assert 0 < info["scale_factor"] < 1 and info["scaled"] and info["allow_scaling"]
     assert info["targets"]["clients"]["C1"][0] <= 7
@@ -249,7 +249,7 @@ def test_a_stage_error_lands_in_the_rule_log(tmp_path: Path):
     import subprocess
     import sys
 
-    code = ("from fedhisto.entry import setup_logging; from fedhisto.manifest import ManifestError; "
+    code = ("from fedhisto.infra.job_logging import setup_logging; from fedhisto.manifest.stage import ManifestError; "
             f"setup_logging({str(tmp_path / 'x.log')!r}); raise ManifestError('need 15, available 6')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 1

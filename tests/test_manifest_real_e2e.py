@@ -19,7 +19,7 @@ import yaml
 from conftest import REPO
 from PIL import Image
 
-from fedhisto.manifest import boundary
+from fedhisto.manifest.stage import boundary
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ DIHEDRAL = (None, Image.Transpose.FLIP_LEFT_RIGHT, Image.Transpose.ROTATE_90, Im
 def lc25000_families(root: Path, families: int = 6) -> dict[str, str]:
     """``lung_aca/ lung_n/ lung_scc/`` of rendered originals and their flipped / rotated relatives
     (3 or 5 per family, scattered numbering like LC25000); returns relpath -> true family."""
-    from fedhisto.synth.stain import SITE_STYLES, render_rgb
+    from fedhisto.synth.stain_styles import SITE_STYLES, render_rgb
     from fedhisto.synth.tissue import tissue
 
     truth = {}

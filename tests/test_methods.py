@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TINY, train
 
-from fedhisto.config import ConfigError, load_config
+from fedhisto.config.study import ConfigError, load_config
 from fedhisto.fedmath.prototypes import ClientPrototypes, aggregate_prototypes
 from fedhisto.methods import build_method, method_names, register, registration, unregister, wildcard_pattern
 from fedhisto.methods.base import Method, balanced_cross_entropy
@@ -85,7 +85,7 @@ def test_one_round_of_every_registered_method(prepared, tmp_path, method):
 
 
 def test_parsing_the_workflow_config_imports_no_torch():
-    code = ("import sys; from fedhisto.config import load_config; from fedhisto.stage_config import stage_block; "
+    code = ("import sys; from fedhisto.config.study import load_config; from fedhisto.config.stage_blocks import stage_block; "
             "from fedhisto.methods import wildcard_pattern, method_names; cfg = load_config({}); "
             "[stage_block(cfg, 'train', method=m, seed=11) for m in method_names()]; "
             "[stage_block(cfg, s) for s in ('cohort', 'clearance', 'manifest', 'stain', 'pretrain', 'metrics')]; "
@@ -95,7 +95,7 @@ def test_parsing_the_workflow_config_imports_no_torch():
 
 
 def test_stain_stage_block_holds_the_split_seed_it_samples_with():
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
 
     a = load_config({})
     b = load_config({"manifest": {"split_seed": 7}})
@@ -103,7 +103,7 @@ def test_stain_stage_block_holds_the_split_seed_it_samples_with():
 
 
 def test_training_identity_ignores_other_families_settings():
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
 
     base = load_config({})
     changed = load_config({"train": {"fedstain": {"weight_js": 0.5}}})

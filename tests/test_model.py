@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhisto.config import EncoderConfig, ModelConfig
-from fedhisto.model.card import model_card
+from fedhisto.config.study import EncoderConfig, ModelConfig
 from fedhisto.model.encoder import (
     EncoderLoadError,
     load_encoder,
     load_encoder_folder,
     random_encoder,
 )
+from fedhisto.model.parameter_card import model_card
 from fedhisto.model.peft_model import FedHistoModel
 
 HIBOU_TOTAL = 86_829_763

@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_batched import CFG, perturbed, split
 
-from fedhisto.config import load_config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import load_config
 from fedhisto.methods import build_method
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.stage_config import stage_block
 from fedhisto.train.batched import StackedAdamW, batched_local_train
 from fedhisto.train.local import local_train
 from fedhisto.train.loop import run_rounds
@@ -325,7 +325,7 @@ def test_the_training_stage_resumes_a_kept_run_bitwise_and_names_the_reading(pre
         "max_rounds": 2, "readings": base.train.readings.model_copy(update={"optimizer_state": "kept"})})})
     whole = tmp_path / "whole"
     summary = train(prepared, "fedavg_peft", whole, cfg=cfg)
-    from fedhisto.provenance import config_hash
+    from fedhisto.infra.provenance import config_hash
 
     def run_hash(c):
         return config_hash(stage_block(c, "train", method="fedavg_peft", seed=11))

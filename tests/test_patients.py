@@ -18,11 +18,17 @@ import pytest
 from conftest import write_image
 
 from fedhisto.clearance.stage import FAMILY_COLUMNS
-from fedhisto.cohort import run_cohort
-from fedhisto.config import CohortConfig, SourceSpec, load_config
-from fedhisto.manifest import boundary, boundary_audit, build_manifest, run_manifest
+from fedhisto.cohort.stage import run_cohort
+from fedhisto.config.study import CohortConfig, SourceSpec, load_config
+from fedhisto.manifest.stage import boundary, boundary_audit, build_manifest, run_manifest
 from fedhisto.realdata.listing import sources_inventory
-from fedhisto.sources import SourceError, collect_sources, read_lunghist700, read_sources_csv, read_wsss4luad
+from fedhisto.realdata.sources import (
+    SourceError,
+    collect_sources,
+    read_lunghist700,
+    read_sources_csv,
+    read_wsss4luad,
+)
 
 LH_NAMES = ("aca_bd_20x_1.jpg", "aca_md_40x_2.jpg", "nor_20x_3.jpg", "scc_pd_40x_7.jpg")
 
@@ -244,7 +250,7 @@ def test_without_patients_the_same_draw_splits_slides(tmp_path: Path):
     so the test above passes because of the patient units, not by luck."""
     from dataclasses import replace
 
-    from fedhisto.sources import write_sources_csv
+    from fedhisto.realdata.sources import write_sources_csv
 
     sources, families, _ = patient_corpus(tmp_path)
     write_sources_csv(tmp_path / "blind.csv", [replace(r, patient="") for r in read_sources_csv(sources)])
@@ -271,7 +277,7 @@ def test_boundary_audit_reports_a_patient_moved_across(tmp_path: Path):
 
 def test_patient_column_only_when_a_source_names_patients(tmp_path: Path):
     """A cohort without patients keeps its sources.csv and manifest.csv bytes (the embedded default)."""
-    from fedhisto.sources import SOURCES_COLUMNS, SourceRow, write_sources_csv
+    from fedhisto.realdata.sources import SOURCES_COLUMNS, SourceRow, write_sources_csv
 
     rows = [SourceRow(path="/a", relpath="s/a", label="ACA", source="csv", site="s", cohort="internal")]
     write_sources_csv(tmp_path / "a.csv", rows)

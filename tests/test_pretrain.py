@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhisto.config import ConfigError, EncoderConfig, load_config
+from fedhisto.config.study import ConfigError, EncoderConfig, load_config
 from fedhisto.model.encoder import load_encoder
-from fedhisto.pretrain import CLIENT_SITES, render_pool, run_pretrain
+from fedhisto.pretrain.stage import CLIENT_SITES, render_pool, run_pretrain
 
 SMALL = {"model": {"encoder": {"name": "tiny"}, "pretrain": {"enabled": True, "images_per_class": 10, "epochs": 1}},
          "views": {"crop_size": 48}}
@@ -43,8 +43,8 @@ def test_pretraining_hibou_is_refused():
 
 
 def test_plain_encoder_views_carry_no_stain_perturbation():
-    from fedhisto.pretrain import pretrain_view
-    from fedhisto.views import training_views
+    from fedhisto.data.views import training_views
+    from fedhisto.pretrain.stage import pretrain_view
 
     plain = load_config({**SMALL, "model": {**SMALL["model"], "pretrain": {**SMALL["model"]["pretrain"],
                                                                             "stain_views": False}}})
@@ -60,7 +60,7 @@ def test_plain_encoder_views_carry_no_stain_perturbation():
 
 
 def test_stain_views_default_leaves_stage_blocks_unchanged():
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
 
     default, plain = load_config(SMALL), load_config(
         {**SMALL, "model": {**SMALL["model"], "pretrain": {**SMALL["model"]["pretrain"], "stain_views": False}}})

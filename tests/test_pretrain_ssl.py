@@ -14,11 +14,11 @@ import torch
 from PIL import Image
 
 from fedhisto.caveats import TINY_SELF_SUPERVISED, TINY_SYNTHETIC, log_caveats, run_caveats
-from fedhisto.config import load_config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import load_config
 from fedhisto.model.encoder import load_encoder_folder
-from fedhisto.pretrain import run_pretrain
-from fedhisto.pretrain_ssl import PretrainDataError, nt_xent, optimisation_rows
-from fedhisto.stage_config import stage_block
+from fedhisto.pretrain.ssl_objective import PretrainDataError, nt_xent, optimisation_rows
+from fedhisto.pretrain.stage import run_pretrain
 
 COLUMNS = ("sample_id", "path", "label", "split", "client")
 TINY_SSL = {"model": {"encoder": {"name": "tiny"},
@@ -116,6 +116,6 @@ def test_a_real_cohort_with_the_tiny_encoder_or_a_short_schedule_is_said_loudly(
     hibou = load_config({**REAL, "model": {"encoder": {"name": "hibou-b"}}})
     assert run_caveats(hibou) == [c for c in run_caveats(hibou) if "schedule" in c or "max_rounds" in c]
     with caplog.at_level(logging.WARNING):
-        log_caveats(real, logging.getLogger("fedhisto.pretrain"))
+        log_caveats(real, logging.getLogger("fedhisto.pretrain.stage"))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "synthetic tissue only" in warnings[0].getMessage()

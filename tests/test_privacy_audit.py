@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 from sklearn.metrics import roc_auc_score
 
-from fedhisto.config import ModelConfig
+from fedhisto.config.study import ModelConfig
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.privacy.attack import loss_difference_scores, per_image_losses, select_canaries

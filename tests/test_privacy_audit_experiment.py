@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
 
 
 @pytest.fixture()

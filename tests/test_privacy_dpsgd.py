@@ -93,7 +93,7 @@ def test_clipped_norms_are_bounded():
 def test_logical_step_without_noise_or_clipping_is_the_plain_gradient():
     """sigma = 0 and a clip norm no gradient reaches: the step is grad(sum of unit losses) / (q N), whatever
     the packing into micro-batches; with noise it is that plus N(0, (sigma C / (q N))^2)."""
-    from fedhisto.config import ModelConfig
+    from fedhisto.config.study import ModelConfig
     from fedhisto.methods.past import PastUnitLoss
     from fedhisto.model.encoder import random_encoder
     from fedhisto.model.peft_model import FedHistoModel

@@ -15,7 +15,8 @@ import torch
 from conftest import REPO, train
 from test_privacy_training import dp_cfg
 
-from fedhisto.config import ConfigError, load_config
+from fedhisto.config.study import ConfigError
+from fedhisto.entry import study_config
 from fedhisto.methods import build_method, method_names, registration
 from fedhisto.privacy.dpsgd import steps_per_epoch
 
@@ -40,16 +41,16 @@ def test_every_registered_method_trains_a_dp_round_or_is_refused_by_its_own_decl
     raw = json.loads(dp_cfg(prepared, rounds=rounds, methods=("fedavg_peft",)).model_dump_json())
     raw["train"]["methods"] = [name]
     raw["privacy"]["prototype_noise_multiplier"] = PROTO_SIGMA
-    plain = load_config({**raw, "privacy": {"enabled": False}})
+    plain = study_config({**raw, "privacy": {"enabled": False}})
     why = build_method(name, plain.model_copy(update={"privacy": plain.privacy.model_copy(
         update={"prototypes": "noised"})})).dp_refusal()
     if why is not None:  # the config refuses with the method's own words, before any training
         with pytest.raises(ConfigError, match=re.escape(f"method {name!r} cannot train under DP-SGD: {why}")):
-            load_config(raw)
+            study_config(raw)
         assert name in ("fedstain", "fedstain_code"), name  # the two whose loss couples a batch's images
         return
     pytest.importorskip("opacus.accountants.analysis.rdp")
-    cfg = load_config(raw)
+    cfg = study_config(raw)
     summary = train(prepared, name, tmp_path / name, cfg=cfg)
     uploads = bool(build_method(name, cfg).post_uploads)
     expected = _expected_epsilon(uploads, rounds)
@@ -66,7 +67,7 @@ def test_every_registered_method_trains_a_dp_round_or_is_refused_by_its_own_decl
 def test_a_term_without_data_joins_after_the_noise_as_the_method_declares():
     """SCAFFOLD's correction and FedProx's proximal term are gradients without data: each method returns
     exactly correction_scale (c - c_i) and mu (theta - theta_start), whatever the local optimiser."""
-    from fedhisto.config import Config
+    from fedhisto.config.study import Config
 
     cfg = Config()
     params = {"w": torch.nn.Parameter(torch.tensor([1.0, -2.0]))}
@@ -117,7 +118,7 @@ def test_the_accounted_sensitivity_is_the_clip_norm_given_public_class_counts():
     gradient: at most C, the sensitivity the ledger accounts (noise std = sigma C). Were the weights
     recomputed from the counts without the unit, every other unit's term would move too and the change
     would exceed C: why docs/privacy.md states the guarantee given the counts."""
-    from fedhisto.config import Config
+    from fedhisto.config.study import Config
     from fedhisto.fedmath.losses import class_balanced_weights
     from fedhisto.methods.dp_objective import ImageCE
     from fedhisto.privacy.dpsgd import NoisyGradientSum, clip_and_sum

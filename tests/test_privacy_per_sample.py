@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from fedhisto.config import ModelConfig
+from fedhisto.config.study import ModelConfig
 from fedhisto.fedmath.losses import feature_consistency, js_divergence, prototype_v1, prototype_v2
 from fedhisto.methods.base import balanced_cross_entropy
 from fedhisto.methods.past import PastUnitLoss

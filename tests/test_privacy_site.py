@@ -1,4 +1,4 @@
-"""A site's DP-SGD over rounds (fedhisto.privacy.site): epsilon equals an independent accountant call,
+"""A site's DP-SGD over rounds (fedhisto.privacy.site_dpsgd): epsilon equals an independent accountant call,
 a resumed site replays the rounds exactly, and the budget stops it by name."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fedhisto.config import ModelConfig
-from fedhisto.config_privacy import PrivacyConfig
+from fedhisto.config.privacy_settings import PrivacyConfig
+from fedhisto.config.study import ModelConfig
 from fedhisto.methods.past import PastUnitLoss
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.privacy import rdp
 from fedhisto.privacy.accountant import PrivacyBudgetExceeded
 from fedhisto.privacy.dpsgd import privacy_units
-from fedhisto.privacy.site import DPSite
+from fedhisto.privacy.site_dpsgd import DPSite
 
 PRIV = PrivacyConfig(enabled=True, noise_multiplier=1.0, clip_norm=1.0, sample_rate=0.5, delta=1e-2 / 2,
                      micro_batch=3, dropout="off")

@@ -1,4 +1,4 @@
-"""The privacy: config block, the refusals by name (fedhisto.privacy.support, each method's own declaration),
+"""The privacy: config block, the refusals by name (fedhisto.methods.dp_capability, each method's own declaration),
 the noised prototype release and its own noise multiplier, and the sensitivity the clipping bounds."""
 
 from __future__ import annotations
@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhisto.config import Config, ConfigError, load_config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import Config, ConfigError
+from fedhisto.entry import study_config
 from fedhisto.fedmath.prototypes import client_prototypes
+from fedhisto.methods import dp_capability as support
 from fedhisto.methods import register, unregister
-from fedhisto.privacy import support
 from fedhisto.privacy.accountant import SiteAccountant
 from fedhisto.privacy.releases import SENSITIVITY, noised_prototypes, prototype_release, unit_contributions
-from fedhisto.stage_config import stage_block
 
 ONLY_FEDAVG = {"train": {"methods": ["fedavg_peft"], "ablations": [], "seeds": [11], "ablation_seeds": [],
                          "engine": "sequential"},
@@ -30,46 +31,46 @@ def test_privacy_off_leaves_every_train_identity_unchanged():
     for method in [*cfg.train.methods, *cfg.train.ablations]:
         assert "privacy" not in stage_block(cfg, "train", method=method, seed=11)
     with pytest.raises(ConfigError, match=r"privacy\.target_epsilon is set but privacy\.enabled is false"):
-        load_config({"privacy": {"target_epsilon": 3.0}})
+        study_config({"privacy": {"target_epsilon": 3.0}})
     with pytest.raises(ConfigError, match=r"unknown key 'privacy\.epsilon'"):
-        load_config({"privacy": {"epsilon": 3.0}})
+        study_config({"privacy": {"epsilon": 3.0}})
 
 
 def test_enabled_would_be_refused_if_the_engine_did_not_run_dp(monkeypatch):
     assert support.ENGINE_RUNS_DP  # the sequential engine runs DP-SGD (train.private)
     monkeypatch.setattr(support, "ENGINE_RUNS_DP", False)
     with pytest.raises(ConfigError, match="DP-SGD is not yet wired into the local training loop"):
-        load_config(_cfg({"enabled": True}))
+        study_config(_cfg({"enabled": True}))
 
 
 def test_refusals_name_the_method_and_the_reason():
-    cfg = load_config(_cfg({"enabled": True, "noise_multiplier": 1.2}))
+    cfg = study_config(_cfg({"enabled": True, "noise_multiplier": 1.2}))
     block = stage_block(cfg, "train", method="fedavg_peft", seed=11)
     assert block["privacy"]["noise_multiplier"] == 1.2  # a DP run is another run
     with pytest.raises(ConfigError, match=r"method 'fedstain' cannot train under DP-SGD: its loss does not "
                                           r"decompose per sample: .*SupCon"):
-        load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain"]))
+        study_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain"]))
     with pytest.raises(ConfigError, match=r"method 'fedstain_code' cannot train under DP-SGD"):
-        load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain_code"]))
+        study_config(_cfg({"enabled": True}, methods=["fedavg_peft", "fedstain_code"]))
     with pytest.raises(ConfigError, match=r"train.engine: 'batched' cannot run DP-SGD; set train.engine: sequential"):
-        load_config(_cfg({"enabled": True}, engine="batched"))
+        study_config(_cfg({"enabled": True}, engine="batched"))
     with pytest.raises(ConfigError, match=r"method 'past_v2' cannot train under DP-SGD: it uploads class prototypes"):
-        load_config(_cfg({"enabled": True}, methods=["fedavg_peft", "past_v2"]))
-    ok = load_config(_cfg({"enabled": True, "prototypes": "noised"}, methods=["fedavg_peft", "past_v2", "fedprox_peft"]))
+        study_config(_cfg({"enabled": True}, methods=["fedavg_peft", "past_v2"]))
+    ok = study_config(_cfg({"enabled": True, "prototypes": "noised"}, methods=["fedavg_peft", "past_v2", "fedprox_peft"]))
     assert ok.privacy.prototypes == "noised"
     for name in ("local_only", "pooled", "film_zero", "v2_no_proto", "fedadam", "scaffold", "fedavg_peft_stain"):
         assert support.method_refusal(name, cfg) is None, name
     with pytest.raises(ConfigError, match=r"method 'scaffold' cannot train under DP-SGD: train.scaffold.variates: "
                                           r"start_gradient uploads each site's full-data gradient"):
-        load_config(_cfg({"enabled": True}, methods=["scaffold"]) | {"train": {
+        study_config(_cfg({"enabled": True}, methods=["scaffold"]) | {"train": {
             **ONLY_FEDAVG["train"], "methods": ["scaffold"], "scaffold": {"variates": "start_gradient"}}})
 
 
 def test_the_objective_refuses_a_reading_without_a_per_image_form_by_name():
     with pytest.raises(ConfigError, match=r"method 'fedavg_peft' cannot train under DP-SGD: "
                                           r"train.readings.ce_reduction: weighted_mean divides"):
-        load_config(_cfg({"enabled": True}, readings={"ce_reduction": "weighted_mean"}))
-    ok = load_config(_cfg({"enabled": True}, readings={"ce_views": "sum"}))  # ce_views has a per-image form
+        study_config(_cfg({"enabled": True}, readings={"ce_reduction": "weighted_mean"}))
+    ok = study_config(_cfg({"enabled": True}, readings={"ce_views": "sum"}))  # ce_views has a per-image form
     assert ok.train.readings.ce_views == "sum"
 
 
@@ -82,7 +83,7 @@ def test_a_method_that_declares_nothing_or_cannot_be_imported_is_refused_by_name
     register("my_method", Undeclared)
     register("my_missing", "mypkg.methods:Mine")
     try:
-        cfg = load_config(_cfg({"enabled": False}))
+        cfg = study_config(_cfg({"enabled": False}))
         why = support.method_refusal("my_method", cfg)
         assert why is not None and "Undeclared declares no objective of one image" in why
         assert "cannot be imported" in support.method_refusal("my_missing", cfg)
@@ -142,11 +143,11 @@ def test_round_releases_feed_the_plan_check():
         (1.0, 0.05, 2 * steps_per_epoch(0.05)), (8.0, 1.0, 1)]
     eps_louder = check_plan("C4", 400, louder, 5, 1e-5, None, "stop")
     assert all(a < b < c for a, b, c in zip(eps_plain, eps_louder, eps_protos, strict=True))
-    cfg = load_config(_cfg({"enabled": True, "prototype_noise_multiplier": 8.0}))
+    cfg = study_config(_cfg({"enabled": True, "prototype_noise_multiplier": 8.0}))
     assert [r.noise_multiplier for r in releases_of(cfg.privacy, 2, True)] == [1.0, 8.0]
-    assert [r.noise_multiplier for r in releases_of(load_config(_cfg({"enabled": True})).privacy, 2, True)] == [1.0, 1.0]
+    assert [r.noise_multiplier for r in releases_of(study_config(_cfg({"enabled": True})).privacy, 2, True)] == [1.0, 1.0]
     with pytest.raises(ConfigError, match=r"prototype_noise_multiplier is set but privacy\.enabled is false"):
-        load_config(_cfg({"prototype_noise_multiplier": 8.0}))
+        study_config(_cfg({"prototype_noise_multiplier": 8.0}))
 
 
 def test_past_unit_loss_reads_the_method_and_its_round_payload():

@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import train
 
-from fedhisto.config import ConfigError, load_config
+from fedhisto.config.study import ConfigError
+from fedhisto.entry import study_config
 from fedhisto.privacy.dpsgd import NoisyGradientSum, steps_per_epoch
 
 PRIVACY = {"enabled": True, "noise_multiplier": 1.1, "clip_norm": 0.5, "sample_rate": 0.25, "delta": 1e-4,
@@ -25,7 +26,7 @@ def dp_cfg(prepared: dict, rounds: int = 2, methods: tuple[str, ...] = ("fedavg_
                         ablation_seeds=[])
     raw["bootstrap"]["comparisons"] = {}
     raw["privacy"] = {**PRIVACY, **privacy}
-    return load_config(raw)
+    return study_config(raw)
 
 
 def history(out: Path) -> list[dict]:
@@ -83,8 +84,8 @@ def test_epsilon_is_the_independent_accountants_and_a_killed_run_resumes_exactly
     assert off["identity"]["config_hash"] != summary["identity"]["config_hash"]
 
     # Tables 4-5 read each run's epsilon from status.json; a non-private run adds no column
-    from fedhisto.metrics import privacy_epsilon
-    from fedhisto.report import privacy_columns
+    from fedhisto.metrics.stage import privacy_epsilon
+    from fedhisto.report.stage import privacy_columns
 
     assert privacy_epsilon(reference) == (report["epsilon_max"], 1e-4) and privacy_epsilon(plain) is None
     assert privacy_columns({"method": "fedavg_peft", "epsilon_max": 2.5, "delta": 1e-4}) == {"epsilon_max": 2.5,
@@ -178,6 +179,6 @@ def test_the_budget_stops_the_run_and_says_so_or_refuses_before_training(prepare
     raw = json.loads(cfg.model_dump_json())
     with pytest.raises(ConfigError, match=r"privacy.target_epsilon: method 'fedavg_peft' \(every site\): the plan "
                                           r"reaches .*unsatisfiable: a single round exceeds it"):
-        load_config({**raw, "privacy": {**raw["privacy"], "target_epsilon": after[0] / 2}})
+        study_config({**raw, "privacy": {**raw["privacy"], "target_epsilon": after[0] / 2}})
     with pytest.raises(ConfigError, match=r"privacy.target_epsilon: .*3 rounds are planned \(privacy.on_budget: refuse\)"):
-        load_config({**raw, "privacy": {**raw["privacy"], "on_budget": "refuse"}})
+        study_config({**raw, "privacy": {**raw["privacy"], "on_budget": "refuse"}})

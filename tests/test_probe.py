@@ -11,9 +11,16 @@ import pytest
 import torch
 from PIL import Image
 
-from fedhisto.bootstrap import resample_weights
-from fedhisto.config import ViewsConfig
-from fedhisto.probe import ProbeError, _measures, image_list, pair_sensitivity, stain_pair, stain_sensitivity
+from fedhisto.config.study import ViewsConfig
+from fedhisto.model.stain_probe import (
+    ProbeError,
+    _measures,
+    image_list,
+    pair_sensitivity,
+    stain_pair,
+    stain_sensitivity,
+)
+from fedhisto.stats.resampling import resample_weights
 
 VIEWS = ViewsConfig(crop_size=32)
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhisto.config import load_config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import load_config
 from fedhisto.experiments import layout as X
 from fedhisto.experiments.probe import probe_condition, summarise_probe
 from fedhisto.model.encoder import random_encoder
-from fedhisto.probe import ProbeError
-from fedhisto.stage_config import stage_block
+from fedhisto.model.stain_probe import ProbeError
+from fedhisto.registries.encoder_registry import HIBOU_MEAN, HIBOU_STD, IMAGENET_MEAN, encoder_entry
 from fedhisto.synth.severity import run_render_shift
-from fedhisto.zoo import HIBOU_MEAN, HIBOU_STD, IMAGENET_MEAN, encoder_entry
 
 SMALL = {"cohort": {"synthetic": {"external_image_size": 64}}, "views": {"crop_size": 32},
          "model": {"encoder": {"name": "tiny"}},

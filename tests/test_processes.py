@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from fedhisto.processes import running
+from fedhisto.infra.processes import running
 
 
 def test_running_is_true_for_a_live_process_and_false_once_it_exited_reaped_or_not():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import write_image
 
-from fedhisto import progress
-from fedhisto.progress import Progress, progress_iter
+from fedhisto.infra import progress
+from fedhisto.infra.progress import Progress, progress_iter
 
 
 class _Terminal(io.StringIO):

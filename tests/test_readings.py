@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedhisto.config import load_config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import load_config
 from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.fedmath.weights import Adaptive, induced_update
 from fedhisto.methods import build_method
 from fedhisto.methods.base import Batch, RoundUpdate, balanced_cross_entropy
 from fedhisto.model.peft_model import FiLM
-from fedhisto.stage_config import stage_block
 
 COUNTS = [300, 100, 12]  # a C2-like client: few SCC, the cap binds under sample_mean
 

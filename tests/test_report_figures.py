@@ -1,4 +1,4 @@
-"""The report's figures (fedhisto.report_figures): each estimate drawn with the 95 % bootstrap CI
+"""The report's figures (fedhisto.report.figures): each estimate drawn with the 95 % bootstrap CI
 of its ensemble's external predictions, and no legend over the data."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from fedhisto import report_figures
-from fedhisto.bootstrap import bootstrap_interval
-from fedhisto.calibration import reliability_bins
-from fedhisto.evaluation import classification_metrics, mean_over_models
-from fedhisto.figures import save_figure
-from fedhisto.predictions import MEMBER_COLUMN, PROB_COLUMNS, ensemble_members, write_predictions
+from fedhisto.infra.plotting import save_figure
+from fedhisto.report import figures as report_figures
+from fedhisto.stats.prediction_files import MEMBER_COLUMN, PROB_COLUMNS, ensemble_members, write_predictions
+from fedhisto.stats.resampling import bootstrap_interval
+from fedhisto.stats.scores import classification_metrics, mean_over_models
+from fedhisto.stats.temperature import reliability_bins
 
 CLASSES = ("ACA", "Normal", "SCC")
 RIGHT = {"fedavg_peft": 0.6, "past_v2": 0.85, "v2_no_js": 0.75, "local_only": 0.5}

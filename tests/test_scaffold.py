@@ -16,7 +16,7 @@ import torch
 from conftest import train
 from test_batched import ATOL, round_inputs, split
 
-from fedhisto.config import load_config
+from fedhisto.config.study import load_config
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Batch, RoundUpdate
 from fedhisto.methods.scaffold import rebalance, transport
@@ -251,7 +251,7 @@ def test_scaffold_declares_its_papers_protocol_and_the_adamw_reading_is_marked()
 
 def test_the_report_marks_every_row_of_a_departing_method_and_its_comparisons():
     from fedhisto.caveats import method_caveats
-    from fedhisto.report import marked, method_notes
+    from fedhisto.report.stage import marked, method_notes
 
     cfg = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "scaffold", "scaffold_adamw"]}})
     marks = method_caveats(cfg)
@@ -306,7 +306,7 @@ def test_a_killed_scaffold_run_resumes_to_the_identical_state_and_variates(prepa
 
 
 def test_table8_counts_two_state_copies_of_variates_per_client_and_round():
-    from fedhisto.accounting import communication_table
+    from fedhisto.accounting.stage import communication_table
 
     cfg = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "scaffold"]}})
     rows = {r["method"]: r for r in communication_table(cfg)}
@@ -336,10 +336,10 @@ def test_start_gradient_payload_is_the_mean_gradient_minus_the_own_by_hand():
 
 def test_start_gradient_is_the_full_data_gradient_of_the_balanced_ce():
     """Against one forward of every image at once (the hook goes through evaluation batches of 32)."""
+    from fedhisto.data.splits import eval_batches
     from fedhisto.fedmath.losses import class_balanced_weights
     from fedhisto.methods.base import balanced_cross_entropy
     from fedhisto.methods.scaffold import start_gradient
-    from fedhisto.splits import eval_batches
 
     cfg, _, model, device, jobs = round_inputs("scaffold")
     data = split(70, 4)  # three evaluation batches of 32, 32, 6

@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import TINY, train
 
-from fedhisto.config import ConfigError, load_config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import ConfigError, load_config
 from fedhisto.experiments import sensitivity_layout as SX
 from fedhisto.experiments.sensitivity import summarise_sensitivity
-from fedhisto.predictions import PROB_COLUMNS, write_predictions
-from fedhisto.stage_config import stage_block
+from fedhisto.stats.prediction_files import PROB_COLUMNS, write_predictions
 
 CLASSES = ["ACA", "Normal", "SCC"]
 
@@ -139,7 +139,7 @@ def test_verdicts_flag_a_reading_that_flips_or_blurs_a_conclusion(tmp_path):
 
 
 def test_a_sensitivity_severity_outside_the_dose_response_is_refused_at_load():
-    from fedhisto.config import ConfigError, load_config
+    from fedhisto.config.study import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"experiments.sensitivity.severity 1.5 is not one of "
                                           r"experiments.dose_response.severities \[0.0, 1.0\]"):

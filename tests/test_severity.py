@@ -11,17 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedhisto.config import load_config
-from fedhisto.synth.severity import (
-    JPEG_QUALITY_RANGE,
-    plan_shift,
-    render_shift_cohort,
-    render_styles,
-    run_render_shift,
-    style_at,
-    tissue_maps,
-)
-from fedhisto.synth.stain import SITE_STYLES
+from fedhisto.config.study import load_config
+from fedhisto.synth.severity import plan_shift, render_shift_cohort, render_styles, run_render_shift, tissue_maps
+from fedhisto.synth.stain_styles import JPEG_QUALITY_RANGE, SITE_STYLES, style_at
 
 ANCHORS = [s for s in SITE_STYLES if s != "external"]
 # small tiles and the minimum tissues per class keep the rendering to about a second

@@ -20,12 +20,18 @@ import pytest
 from PIL import Image
 
 from fedhisto import CLASSES
-from fedhisto.code_identity import CodeMismatch, check_code, code_identity, identity_strings, source_digest
-from fedhisto.config import SyntheticCohort, load_config
+from fedhisto.config.study import SyntheticCohort, load_config
 from fedhisto.federation.coordinator import UploadsRefused, check_uploads
 from fedhisto.federation.prepare import prepare_site
 from fedhisto.federation.upload import read_upload
-from fedhisto.manifest import MANIFEST_COLUMNS
+from fedhisto.infra.code_identity import (
+    CodeMismatch,
+    check_code,
+    code_identity,
+    identity_strings,
+    source_digest,
+)
+from fedhisto.manifest.stage import MANIFEST_COLUMNS
 
 _OPENED: list[str] = []
 _RECORDING = [False]
@@ -46,8 +52,8 @@ FOLDER = {"ACA": "lung_aca", "Normal": "lung_n", "SCC": "lung_scc"}  # aliases t
 def _render(root: Path) -> dict[str, Path]:
     """Five site folders of originals, plus planted copies: an exact copy of a site1 image filed at
     site2, a mirrored copy of a site3 image at site4 (cross-site), a re-encode within site5."""
-    from fedhisto.synth.cohort import Member, render_original
-    from fedhisto.synth.families import make_copy
+    from fedhisto.synth.embedded_cohort import Member, render_original
+    from fedhisto.synth.relatives import make_copy
 
     cfg = SyntheticCohort(image_size=96)
     key = 0
@@ -83,10 +89,10 @@ def _config(tmp: Path, targets: dict | None = None) -> object:
 
 def _central(tmp: Path) -> tuple[dict, list[dict]]:
     """The pipeline's stages on the same images: sources (csv kind), clearance, manifest, stain."""
-    from fedhisto.clearance import run_clearance
-    from fedhisto.manifest import run_manifest
-    from fedhisto.sources import collect_sources, write_sources_csv
-    from fedhisto.stain import run_stain
+    from fedhisto.clearance.stage import run_clearance
+    from fedhisto.manifest.stage import run_manifest
+    from fedhisto.realdata.sources import collect_sources, write_sources_csv
+    from fedhisto.stain.stage import run_stain
 
     for site in SITES.values():
         files = sorted((tmp / "sites" / site).rglob("*.jpeg"))
@@ -338,7 +344,7 @@ def test_open_audit_sees_image_reads():
         _OPENED.clear()
         _RECORDING[0] = True
         try:
-            from fedhisto.imageio import load_rgb
+            from fedhisto.infra.imageio import load_rgb
 
             load_rgb(p)
         finally:

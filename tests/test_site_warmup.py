@@ -17,7 +17,7 @@ pytest.importorskip("flwr")
 from flower_support import SITES, LocalGrid, prepare
 
 import fedhisto.federation.site as site_mod
-from fedhisto.config import load_config_file
+from fedhisto.config.study import load_config_file
 
 pytestmark = pytest.mark.flower
 RUN = ("past_v2", 11)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from fedhisto.clearance.stage import FAMILY_COLUMNS
-from fedhisto.config import load_config
-from fedhisto.manifest import build_manifest, run_manifest
-from fedhisto.manifest_sources import allocate, single_source_classes, source_composition
-from fedhisto.sources import SourceRow, write_sources_csv
-from fedhisto.stage_config import stage_block
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import load_config
+from fedhisto.manifest.source_audit import allocate, single_source_classes, source_composition
+from fedhisto.manifest.stage import build_manifest, run_manifest
+from fedhisto.realdata.sources import SourceRow, write_sources_csv
 
 # images per (source, class); families of `family_size` members
 CORPUS = {("lc25000", "ACA"): 60, ("lc25000", "Normal"): 50, ("lc25000", "SCC"): 70,

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from conftest import write_image
 
-from fedhisto.config import SourceSpec
-from fedhisto.sources import (
+from fedhisto.config.study import SourceSpec
+from fedhisto.realdata.sources import (
     SourceError,
     collect_sources,
     read_lc25000,
@@ -163,7 +163,7 @@ def test_csv_row_symlinked_elsewhere_keeps_its_listed_relpath(tmp_path: Path):
 
 
 def test_relpath_root_only_for_csv():
-    from fedhisto.config import ConfigError, load_config
+    from fedhisto.config.study import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="relpath_root applies only to kind csv"):
         load_config({"cohort": {"real": {"sources": [{"kind": "lc25000", "root": "/x", "relpath_root": "/"}]}}})

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhisto.config import StainConfig
-from fedhisto.stain import (
+from fedhisto.config.study import StainConfig
+from fedhisto.stain.stage import (
     REFERENCE_E,
     REFERENCE_H,
     client_descriptor,
@@ -17,7 +17,7 @@ from fedhisto.stain import (
     standardise,
     tissue_mask,
 )
-from fedhisto.synth.stain import HEMATOXYLIN_OD, render_rgb, unit
+from fedhisto.synth.stain_styles import HEMATOXYLIN_OD, render_rgb, unit
 
 
 def synthetic_od(n: int = 4000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -65,7 +65,7 @@ def test_he_check_flags_dab_like_stain():
 def _write_tile(path, seed, blank=False):
     from PIL import Image
 
-    from fedhisto.synth.stain import SITE_STYLES
+    from fedhisto.synth.stain_styles import SITE_STYLES
     from fedhisto.synth.tissue import tissue
 
     rng = np.random.default_rng(seed)

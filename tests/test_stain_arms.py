@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedhisto.config import load_config, load_config_file
+from fedhisto.config.study import load_config, load_config_file
+from fedhisto.data.splits import Split
+from fedhisto.data.views import training_views
 from fedhisto.methods import build_method, default_comparisons, registration
 from fedhisto.methods.base import Batch
-from fedhisto.splits import Split
-from fedhisto.views import training_views
 
 IDS = ["00000000000000a1", "00000000000000b2", "00000000000000c3"]
 

@@ -11,7 +11,7 @@ import pytest
 
 UNUSED = ("sklearn", "matplotlib", "fedhisto.experiments")
 # training, prediction, the bootstrap and the SuperNode side (site.py imports no flwr)
-LEAN = ("fedhisto.predict", "fedhisto.train.stage", "fedhisto.bootstrap", "fedhisto.federation.site")
+LEAN = ("fedhisto.predict.stage", "fedhisto.train.stage", "fedhisto.bootstrap.stage", "fedhisto.federation.site")
 
 
 def _unused_imports(modules: tuple[str, ...]) -> dict[str, list[str]]:

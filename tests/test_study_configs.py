@@ -13,7 +13,7 @@ import pytest
 import yaml
 from study_layouts import build_study_folders, sources_overlay
 
-from fedhisto.config import command_line_config, layer, load_config, load_config_file
+from fedhisto.config.study import command_line_config, layer, load_config, load_config_file
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in (REPO / "config").glob("*.yaml"))
@@ -121,7 +121,7 @@ def test_layer_merges_as_snakemake_lays_config_files():
 
 
 def test_available_memory_is_read_from_meminfo(tmp_path: Path):
-    from fedhisto.processes import available_memory_mb
+    from fedhisto.infra.processes import available_memory_mb
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24684544 kB\nMemFree:         1000000 kB\nMemAvailable:   20480000 kB\n")
@@ -140,7 +140,7 @@ def test_a_local_run_holds_each_job_to_the_hosts_memory_unless_the_user_sets_mem
         roots_overlay: Path, snakemake_bin: str, tmp_path: Path):
     """HIBOU-B's training declares 24000 MB: on a host with less, each job is held to the host's available
     memory, so two never run side by side; --resources mem_mb=... is the user's own budget."""
-    from fedhisto.zoo import encoder_entry
+    from fedhisto.registries.encoder_registry import encoder_entry
 
     total_mb = int(next(line for line in Path("/proc/meminfo").read_text().splitlines()
                         if line.startswith("MemTotal")).split()[1]) // 1024

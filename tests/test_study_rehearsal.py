@@ -86,7 +86,7 @@ def test_table2_is_built_exactly_as_the_overlay_asks(rehearsal: dict):
 
 
 def test_every_run_trained_hibou_b_from_the_local_snapshot_and_predicted(rehearsal: dict):
-    from fedhisto.provenance import digest_path
+    from fedhisto.infra.provenance import digest_path
 
     wd = rehearsal["workdir"]
     weights = digest_path(rehearsal["encoder"])  # the test-made snapshot's files, as the run identity records them

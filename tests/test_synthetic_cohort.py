@@ -10,13 +10,13 @@ import pytest
 from PIL import Image
 
 from fedhisto import CLASSES
-from fedhisto.cohort import run_cohort
-from fedhisto.config import CohortConfig, SyntheticCohort
-from fedhisto.profiles import PROFILES
-from fedhisto.sources import read_sources_csv
-from fedhisto.synth.cohort import plan_cohort
-from fedhisto.synth.families import encode_jpeg, make_copy, rotate_zoom
-from fedhisto.synth.stain import SITE_STYLES, od_to_rgb, render_rgb, rgb_to_od
+from fedhisto.cohort.stage import run_cohort
+from fedhisto.config.profiles import PROFILES
+from fedhisto.config.study import CohortConfig, SyntheticCohort
+from fedhisto.realdata.sources import read_sources_csv
+from fedhisto.synth.embedded_cohort import plan_cohort
+from fedhisto.synth.relatives import encode_jpeg, make_copy, rotate_zoom
+from fedhisto.synth.stain_styles import SITE_STYLES, od_to_rgb, render_rgb, rgb_to_od
 from fedhisto.synth.tissue import tissue
 
 SMALL = CohortConfig(synthetic=SyntheticCohort(profile="small"))
@@ -191,8 +191,8 @@ def test_external_cohort_options_shape_the_external_site_only(update, check):
 
 
 def test_external_severity_renders_the_external_site_at_that_point_of_the_shift_line():
-    from fedhisto.synth.cohort import render_original, site_style
-    from fedhisto.synth.severity import style_at
+    from fedhisto.synth.embedded_cohort import render_original, site_style
+    from fedhisto.synth.stain_styles import style_at
 
     cfg = SyntheticCohort(external_severity=2.0)
     assert site_style("external", cfg) == style_at(2.0) != SITE_STYLES["external"]
@@ -203,8 +203,8 @@ def test_external_severity_renders_the_external_site_at_that_point_of_the_shift_
 
 
 def test_external_cohort_options_at_their_defaults_keep_the_cohort_identity():
-    from fedhisto.config import load_config
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
+    from fedhisto.config.study import load_config
 
     explicit = {"cohort": {"synthetic": {"external_severity": 1.0, "external_grades": ["well", "moderately", "poorly"],
                                          "external_magnifications": ["20x", "40x"], "external_per_class": None}}}
@@ -220,8 +220,8 @@ def test_the_default_profile_sizes_its_evaluation_sets_to_resolve_three_hundredt
     validation, the study's external size and mix, an internal test of 600; at the planning accuracies (the
     previous default's 0.886 internal, 0.839 external) one method's 95 % bootstrap half-width is <= 0.03,
     and at the old sizes it was about 0.10."""
-    from fedhisto.bootstrap import bootstrap_interval
-    from fedhisto.config import load_config_file
+    from fedhisto.config.study import load_config_file
+    from fedhisto.stats.resampling import bootstrap_interval
 
     profile = PROFILES[load_config_file(repo / "config/config.yaml").cohort.synthetic.profile]
     small = PROFILES["small"]

@@ -9,10 +9,10 @@ from pathlib import Path
 from test_manifest import TABLE2, write_corpus
 
 from fedhisto import CLASSES
-from fedhisto.config import load_config
-from fedhisto.manifest import build_manifest, composition
-from fedhisto.manifest_sources import SOURCE_COLUMNS, single_source_classes, source_composition
-from fedhisto.targets import study_table2, write_table2
+from fedhisto.config.study import load_config
+from fedhisto.manifest.source_audit import SOURCE_COLUMNS, single_source_classes, source_composition
+from fedhisto.manifest.stage import build_manifest, composition
+from fedhisto.manifest.targets import study_table2, write_table2
 
 
 def _write(tmp_path: Path, rows: list[dict], summary: dict) -> tuple[Path, Path]:

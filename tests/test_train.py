@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import TINY, train
 
-from fedhisto.config import load_config
-from fedhisto.profiles import PROFILES
+from fedhisto.config.profiles import PROFILES
+from fedhisto.config.study import load_config
 from fedhisto.train.loop import ResumeRefused, load_checkpoint
 
 
@@ -123,7 +123,7 @@ def test_checkpoint_holds_adapters_only(prepared: dict, tmp_path: Path):
 def test_failed_validation_writes_failure_not_report_and_checkpoint_still_predicts(prepared: dict, tmp_path: Path,
                                                                                    monkeypatch):
     import fedhisto.train.stage as stage
-    from fedhisto.predict import PredictionRefused, run_predict
+    from fedhisto.predict.stage import PredictionRefused, run_predict
 
     monkeypatch.setattr(stage, "validate_outcome", lambda ckpt, metric: ["report failed validation (injected)"])
     out = tmp_path / "failing"
@@ -148,10 +148,10 @@ def test_temperature_scaling_option_rescales_written_probabilities_by_the_valida
                                                                                       tmp_path: Path):
     import numpy as np
 
-    from fedhisto.calibration import apply_temperature, fit_temperature
-    from fedhisto.predict import run_predict
-    from fedhisto.predictions import read_predictions
-    from fedhisto.provenance import read_sidecar
+    from fedhisto.infra.provenance import read_sidecar
+    from fedhisto.predict.stage import run_predict
+    from fedhisto.stats.prediction_files import read_predictions
+    from fedhisto.stats.temperature import apply_temperature, fit_temperature
 
     out = tmp_path / "run"
     plain = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}})
@@ -217,7 +217,7 @@ def test_fedstain_switches_turn_its_views_back_into_the_plain_view(prepared: dic
 def test_one_process_predicting_every_seed_writes_the_files_of_one_process_per_seed(prepared: dict, tmp_path: Path):
     """The predict_cohorts job of a method predicts all its seeds; its CSVs must be those of a job per seed,
     byte for byte (the evaluation images are decoded once and reused; each seed builds its own model)."""
-    from fedhisto.predict import run_predict, run_predict_seeds
+    from fedhisto.predict.stage import run_predict, run_predict_seeds
     from fedhisto.train.stage import run_train
 
     cfg = load_config({**TINY, "train": {**TINY["train"], "max_rounds": 1}})

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedhisto.config import ViewsConfig
-from fedhisto.views import (
+from fedhisto.config.study import ViewsConfig
+from fedhisto.data.views import (
     apply_geometry,
     denormalise,
     eval_view,
@@ -103,7 +103,7 @@ def _field_1600x1200() -> np.ndarray:
 def test_eval_resize_squash_is_the_default_and_the_old_transform_byte_for_byte():
     import cv2
 
-    from fedhisto.views import eval_resize
+    from fedhisto.data.views import eval_resize
 
     img = _field_1600x1200()
     assert ViewsConfig().eval_resize == "squash"
@@ -119,7 +119,7 @@ def test_eval_resize_squash_is_the_default_and_the_old_transform_byte_for_byte()
 
 
 def test_eval_resize_keep_aspect_scales_the_shorter_side_and_crops_the_centre():
-    from fedhisto.views import eval_resize
+    from fedhisto.data.views import eval_resize
 
     img = _field_1600x1200()
     out = eval_resize(img, 224, "keep_aspect")
@@ -143,7 +143,7 @@ def test_eval_resize_keep_aspect_scales_the_shorter_side_and_crops_the_centre():
 def test_eval_resize_is_a_checked_config_key():
     import pytest
 
-    from fedhisto.config import ConfigError, load_config
+    from fedhisto.config.study import ConfigError, load_config
 
     assert load_config({"views": {"eval_resize": "keep_aspect"}}).views.eval_resize == "keep_aspect"
     with pytest.raises(ConfigError, match=r"views\.eval_resize"):

@@ -1,4 +1,4 @@
-"""Device views (``fedhisto.views_device``) against the host path (``fedhisto.views``).
+"""Device views (``fedhisto.data.device_views``) against the host path (``fedhisto.data.views``).
 
 Tolerances, from measurements on synthetic tissue (fedhisto.synth, sensor noise and speckle, so the
 hardest case for resampling differences), crop 96 from images of 120-200 px:
@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-import fedhisto.views as host
-import fedhisto.views_device as dv
-from fedhisto.config import ViewsConfig
-from fedhisto.synth.stain import SITE_STYLES, render_rgb
+import fedhisto.data.device_views as dv
+import fedhisto.data.views as host
+from fedhisto.config.study import ViewsConfig
+from fedhisto.data.device_views import DeviceImages, ViewDraws, draw_stain, draw_views, render_views
+from fedhisto.data.views import Geometry, stain_perturb, training_views
+from fedhisto.synth.stain_styles import SITE_STYLES, render_rgb
 from fedhisto.synth.tissue import tissue
-from fedhisto.views import Geometry, stain_perturb, training_views
-from fedhisto.views_device import DeviceImages, ViewDraws, draw_stain, draw_views, render_views
 
 CFG = ViewsConfig(crop_size=96)
 IDS = [f"{k * 7919 + 12345:016x}" for k in range(4)]

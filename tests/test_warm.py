@@ -1,4 +1,4 @@
-"""The warm server (fedhisto.warm): a job's work runs in a forked child with the job's cwd, environment,
+"""The warm server (fedhisto.infra.warm_server): a job's work runs in a forked child with the job's cwd, environment,
 file descriptors and log, returns what the function returns, fails as the job, dies with the job, and trains
 exactly as a fresh process does."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhisto import warm
-from fedhisto.processes import running
+from fedhisto.infra import warm_server as warm
+from fedhisto.infra.processes import running
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     """A server on this test's socket (preloading torch only), stopped at the end."""
     folder = tmp_path_factory.mktemp("warm")
     sock = str(folder / "s")  # short: AF_UNIX paths are limited to ~107 bytes
-    proc = subprocess.Popen([sys.executable, "-m", "fedhisto.warm", "serve", "--socket", sock, "--parent",
+    proc = subprocess.Popen([sys.executable, "-m", "fedhisto.infra.warm_server", "serve", "--socket", sock, "--parent",
                              str(os.getpid()), "--preload", "torch"], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
@@ -56,7 +56,7 @@ def _client(code: str, server: dict | None, tmp_path: Path, **extra: str) -> sub
                           timeout=600)  # a hang guard, not a speed check: CI on a slow day took >120 s cold
 
 
-CALL = ("import json, sys\nfrom fedhisto.warm import call\nfrom fedhisto.entry import setup_logging\n"
+CALL = ("import json, sys\nfrom fedhisto.infra.warm_server import call\nfrom fedhisto.infra.job_logging import setup_logging\n"
         "setup_logging('job.log')\n")
 
 
@@ -106,7 +106,7 @@ def test_a_job_waits_for_a_server_still_importing_and_runs_cold_when_its_process
     the same imports themselves; a server process that died before listening sends them to run cold."""
     code = CALL + "import os\nprint(json.dumps([os.getpid(), call('warm_targets:describe', 'M4')['pid']]))"
     sock = str(tmp_path / "s")
-    starting = subprocess.Popen([sys.executable, "-m", "fedhisto.warm", "serve", "--socket", sock, "--parent",
+    starting = subprocess.Popen([sys.executable, "-m", "fedhisto.infra.warm_server", "serve", "--socket", sock, "--parent",
                                  str(os.getpid()), "--preload", "torch"], env=_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.STDOUT)
     try:
@@ -134,9 +134,9 @@ def test_an_exception_in_the_child_fails_the_job_with_its_traceback_in_the_log(s
 
 
 def test_a_config_crosses_as_an_equal_config(server, tmp_path: Path):
-    from fedhisto.config import load_config_file
+    from fedhisto.config.study import load_config_file
 
-    code = (CALL + "from fedhisto.config import load_config_file\n"
+    code = (CALL + "from fedhisto.config.study import load_config_file\n"
             f"cfg = load_config_file({str(REPO / 'config/config.yaml')!r})\n"
             "print(call('warm_targets:config_dump', cfg))")
     proc = _client(code, server, tmp_path)
@@ -163,7 +163,7 @@ def test_a_child_killed_by_sigkill_is_reported_as_killed_for_memory_with_its_job
 
 
 def test_describe_death_without_a_note_or_with_another_signal():
-    from fedhisto.processes import describe_death
+    from fedhisto.infra.processes import describe_death
 
     assert "ended without a reply" in describe_death("the job x", None)
     text = describe_death("the job x", {"pid": 1, "signal": signal.SIGSEGV, "maxrss_kb": 2 * 1024 ** 2})
@@ -200,7 +200,7 @@ def test_a_warm_training_run_writes_the_files_of_a_fresh_process(server, prepare
     config.write_text(yaml.safe_dump(doc))
     out = {}
     for name, srv in (("warm", server), ("cold", None)):
-        code = (CALL + "from fedhisto.config import load_config_file\n"
+        code = (CALL + "from fedhisto.config.study import load_config_file\n"
                 f"cfg = load_config_file({str(config)!r})\n"
                 f"call('fedhisto.train.stage:run_train', 'past_v2', 11, {str(prepared['manifest'])!r}, "
                 f"{str(prepared['identity'])!r}, {str(prepared['descriptors'])!r}, cfg, {str(tmp_path / name)!r})\n"

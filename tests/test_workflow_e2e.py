@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import write_tiny_config
 
-from fedhisto.sources import read_sources_csv
+from fedhisto.realdata.sources import read_sources_csv
 
 pytestmark = pytest.mark.e2e
 
@@ -106,7 +106,7 @@ def test_clearance_recovers_every_planted_family_and_manifest_lands_on_profile(w
     assert audit["planted"]["recall"] == 1.0
     assert audit["planted"]["pairwise"]["precision"] == 1.0
     assert audit["failures"] == [] and audit["label_conflicts"] == []
-    from fedhisto.profiles import PROFILES
+    from fedhisto.config.profiles import PROFILES
 
     config = yaml.safe_load((workdir / "config/config.yaml").read_text())
     profile = PROFILES[config["cohort"]["synthetic"]["profile"]]

@@ -2,7 +2,7 @@
 architecture (no download). transformers entries run in the main lane; timm entries need
 fedhisto[zoo] and run under ``-m zoo`` (README: the zoo lane).
 
-Adding an encoder: one entry in ``fedhisto.zoo`` plus its row in ``ROWS``.
+Adding an encoder: one entry in ``fedhisto.registries.encoder_registry`` plus its row in ``ROWS``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 import torch
 import yaml
 
-from fedhisto.config import EncoderConfig, ModelConfig, load_config
-from fedhisto.config_base import ConfigError
-from fedhisto.model.card import meta_model
+from fedhisto.config.study import EncoderConfig, ModelConfig, load_config
+from fedhisto.infra.settings_base import ConfigError
 from fedhisto.model.encoder import EncoderLoadError, load_encoder, load_encoder_folder, random_encoder
-from fedhisto.zoo import ENCODERS, encoder_entry
+from fedhisto.model.parameter_card import meta_model
+from fedhisto.registries.encoder_registry import ENCODERS, encoder_entry
 
 # name: (LoRA modules, LoRA parameters at the study's r = 8 on query/key/value/attention_output, embedding dim).
 # transformers: q, k, v, o per block, each D -> D: modules 4 L, parameters L * 4 * r (D + D) = 64 D L.
@@ -66,7 +66,7 @@ def test_every_entry_has_a_test_row():
 
 def test_registry_and_config_import_without_torch():
     """The Snakefile reads the registry at parse time: importing it must not import torch."""
-    code = ("import sys, fedhisto.zoo, fedhisto.config; "
+    code = ("import sys, fedhisto.registries.encoder_registry, fedhisto.config.study; "
             "sys.exit(int(any(m in sys.modules for m in ('torch', 'transformers', 'timm'))))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -239,8 +239,8 @@ def test_hub_entries_fill_repo_and_revision_and_keep_old_defaults():
 def test_normalisation_option():
     default = load_config({"model": {"encoder": {"name": "hibou-b"}}})
     assert default.views.mean == (0.485, 0.456, 0.406)  # the study's ImageNet statistics (section 3.4)
-    from fedhisto.config_base import identity_dump
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
+    from fedhisto.infra.settings_base import identity_dump
 
     assert "normalisation" not in identity_dump(default.views)  # IF_CHANGED: so no stage block changes
     assert "normalisation" not in stage_block(default, "train", method="past_v2", seed=11)["views"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
 
 STUDY_MAX_ROUNDS = 50  # SPEC section 4: at most 50 rounds
 STUDY_PATIENCE = 10  # early stop after 10 rounds without improvement

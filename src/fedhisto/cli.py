@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from fedhisto import __version__
-from fedhisto.config import ConfigError, json_schema_text, load_config_file
-from fedhisto.sources import SourceError
+from fedhisto.config.study import ConfigError, json_schema_text
+from fedhisto.entry import study_config_file
+from fedhisto.realdata.sources import SourceError
 
 SCHEMA_PATH = Path("workflow/schemas/config.schema.json")
 
@@ -18,15 +19,15 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     """The config's JSON schema; with --write also the package's method settings schema
     (``method_settings.schema.json``), the config's own source for method blocks, first."""
     if args.write:
-        from fedhisto.atomic import write_text
-        from fedhisto.config import settings_schema_text
-        from fedhisto.registry import SCHEMA_FILE
+        from fedhisto.config.study import settings_schema_text
+        from fedhisto.infra.atomic import write_text
+        from fedhisto.registries.method_registry import SCHEMA_FILE
 
         write_text(SCHEMA_FILE, settings_schema_text())
-        # the config models read the settings schema when fedhisto.config is imported: regenerate in a fresh process
+        # the config models read the settings schema when fedhisto.config.study is imported: regenerate in a fresh process
         import subprocess
 
-        text = subprocess.run([sys.executable, "-c", "from fedhisto.config import json_schema_text as t; "
+        text = subprocess.run([sys.executable, "-c", "from fedhisto.config.study import json_schema_text as t; "
                                "import sys; sys.stdout.write(t())"], check=True, capture_output=True, text=True).stdout
         write_text(args.write, text)
     else:
@@ -36,10 +37,10 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     """The config a run given ``--configfile FILE... [--config K=V...]`` sees, built and validated as the
-    workflow builds it (:func:`fedhisto.config.command_line_config`)."""
+    workflow builds it (:func:`fedhisto.config.study.command_line_config`)."""
     from snakemake.cli import parse_config  # Snakemake's own reading of --config (nested values stay strings)
 
-    from fedhisto.config import command_line_config, load_config
+    from fedhisto.config.study import command_line_config
 
     try:
         overrides = parse_config(args.overrides or [])
@@ -49,54 +50,56 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     raw = command_line_config(args.config, overrides)
     import jsonschema  # the workflow's first check: the JSON schema (the same one, a test keeps them equal)
 
-    from fedhisto.config import json_schema
+    from fedhisto.config.study import json_schema
 
     try:
         jsonschema.validate(raw, json_schema())
     except jsonschema.ValidationError as exc:
         where = ".".join(map(str, exc.absolute_path)) or "<root>"
         raise ConfigError(f"invalid configuration ({source}): key '{where}': {exc.message}") from None
-    cfg = load_config(raw, source=source)
+    from fedhisto.entry import study_config
+
+    cfg = study_config(raw, source=source)
     print(f"{source}: valid (cohort mode {cfg.cohort.mode}, encoder {cfg.model.encoder.name}; as "
           f"`snakemake --configfile {' '.join(args.config)}` sees it)")
     return 0
 
 
 def _cmd_cohort(args: argparse.Namespace) -> int:
-    from fedhisto.cohort import run_cohort
-    from fedhisto.entry import setup_logging
+    from fedhisto.cohort.stage import run_cohort
+    from fedhisto.infra.job_logging import setup_logging
 
     setup_logging()
-    summary = run_cohort(load_config_file(args.config).cohort, args.out, threads=args.threads)
+    summary = run_cohort(study_config_file(args.config).cohort, args.out, threads=args.threads)
     print(json.dumps({"images": summary["images"], "listed": summary["listed"]}, indent=2))
     return 0
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from fedhisto.clearance import run_audit_folder
-    from fedhisto.config import ClearanceConfig
-    from fedhisto.entry import setup_logging
+    from fedhisto.clearance.stage import run_audit_folder
+    from fedhisto.config.study import ClearanceConfig
+    from fedhisto.infra.job_logging import setup_logging
 
     setup_logging()
-    cfg = load_config_file(args.config).clearance if args.config else ClearanceConfig()
+    cfg = study_config_file(args.config).clearance if args.config else ClearanceConfig()
     audit = run_audit_folder(args.folder, args.out, cfg, threads=args.threads)
     print(json.dumps(audit["stats"], indent=2))
     return 0
 
 
 def _cmd_model_card(args: argparse.Namespace) -> int:
-    from fedhisto.model.card import model_card
+    from fedhisto.model.parameter_card import model_card
 
     print(json.dumps(model_card(args.encoder, args.method), indent=2))
     return 0
 
 
 def _cmd_probe_encoder(args: argparse.Namespace) -> int:
-    from fedhisto.entry import setup_logging
-    from fedhisto.probe import run_probe
+    from fedhisto.infra.job_logging import setup_logging
+    from fedhisto.model.stain_probe import run_probe
 
     setup_logging()
-    cfg = load_config_file(args.config)
+    cfg = study_config_file(args.config)
     x = cfg.experiments
     summary = run_probe(cfg, args.images, args.out, encoder_dir=args.encoder_dir, split=args.split, limit=args.limit,
                         seed=args.seed, resamples=args.resamples or x.resamples, bootstrap_seed=x.bootstrap_seed,
@@ -216,12 +219,12 @@ def _cmd_federate(args: argparse.Namespace) -> int:
 
 
 def _cmd_site_prepare(args: argparse.Namespace) -> int:
-    from fedhisto.entry import setup_logging
     from fedhisto.federation.prepare import prepare_site
+    from fedhisto.infra.job_logging import setup_logging
 
     setup_logging()
     out = args.out or f"results/site/{args.site_id}"
-    upload = prepare_site(args.images, args.site_id, out, load_config_file(args.config), role=args.role,
+    upload = prepare_site(args.images, args.site_id, out, study_config_file(args.config), role=args.role,
                           source_site=args.source_site, layout=args.layout, exclude=args.exclude,
                           threads=args.threads, progress=True)
     print(json.dumps({"site": upload.site, "role": upload.role, "class_counts": upload.class_counts,
@@ -230,11 +233,11 @@ def _cmd_site_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_uploads(args: argparse.Namespace) -> int:
-    from fedhisto.entry import setup_logging
     from fedhisto.federation.coordinator import check_uploads
+    from fedhisto.infra.job_logging import setup_logging
 
     setup_logging()
-    summary = check_uploads(args.uploads, load_config_file(args.config), args.out)
+    summary = check_uploads(args.uploads, study_config_file(args.config), args.out)
     print(json.dumps({"sites": sorted(summary["sites"]), "duplicates": summary["duplicates"],
                       "out": args.out}, indent=2))
     return 0
@@ -353,7 +356,7 @@ def _federation_parsers(sub) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from fedhisto.bench import main
+    from fedhisto.bench.throughput import main
 
     return main(args)
 
@@ -388,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_audit)
 
     from fedhisto.methods import method_names
-    from fedhisto.zoo import ENCODER_NAMES
+    from fedhisto.registries.encoder_registry import ENCODER_NAMES
 
     p = sub.add_parser("model-card", help="parameter counts of a method's model as JSON (no weights downloaded)")
     p.add_argument("--encoder", choices=ENCODER_NAMES, default="hibou-b")
@@ -408,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resamples", type=int, default=None, help="bootstrap resamples (default experiments.resamples)")
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_cmd_probe_encoder)
-    from fedhisto.export.commands import use_parsers
+    from fedhisto.classify.commands import use_parsers
 
     use_parsers(sub)
     _federation_parsers(sub)

@@ -3,34 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from pathlib import Path
 from typing import Any
 
-from fedhisto.config import Config, load_config, load_config_file
+from fedhisto.config.study import Config, ConfigError, command_line_config, load_config
+from fedhisto.infra.job_logging import setup_logging
 
 
-def setup_logging(log_path: str | None = None, append: bool = False) -> None:
-    """Log to stderr and, if given, to ``log_path`` (truncated, unless ``append``: a warm child continues the
-    log its job process began, :mod:`fedhisto.warm`)."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_path:
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_path, mode="a" if append else "w"))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        handlers=handlers, force=True)
-    from fedhisto.progress import silence_library_bars_off_terminal
+def study_config(raw: dict[str, Any] | None, source: str = "config") -> Config:
+    """A run's config: :func:`fedhisto.config.study.load_config`, then the checks that need the methods
+    themselves, which the torch-free config package cannot make: with ``privacy.enabled``, every method
+    must declare a per-image objective and the budget must be reachable
+    (:func:`fedhisto.methods.dp_capability.check_privacy`, refusals by name). Every entry point a user
+    starts a run from (the Snakefiles, ``fedhisto check-config``, the stage scripts, the Flower apps)
+    builds its config here."""
+    cfg = load_config(raw, source=source)
+    if cfg.privacy.enabled:
+        from fedhisto.methods.dp_capability import check_privacy
 
-    silence_library_bars_off_terminal()  # e.g. transformers' "Writing model shards" in a piped log
-    sys.excepthook = _log_uncaught  # a stage's error lands in its rule's log, where Snakemake points the user
+        try:
+            check_privacy(cfg)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return cfg
 
 
-def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-    if issubclass(kind, KeyboardInterrupt):
-        sys.__excepthook__(kind, exc, tb)
-        return
-    logging.getLogger("fedhisto").error("stage failed: %s: %s", kind.__name__, exc, exc_info=(kind, exc, tb))
+def study_config_file(path: str | Path, *more: str | Path) -> Config:
+    """:func:`study_config` of config files laid in order, as on Snakemake's command line."""
+    paths = [path, *more]
+    return study_config(command_line_config(paths), source=" + ".join(map(str, paths)))
 
 
 def log_of(smk: Any) -> str | None:
@@ -41,11 +42,11 @@ def log_of(smk: Any) -> str | None:
 def from_snakemake(smk: Any) -> Config:
     """Typed config from a Snakemake ``snakemake`` object, with the rule's log set up and no live progress
     bars (jobs running side by side share one stderr; each step logs one line instead)."""
-    from fedhisto.progress import disable_bars
+    from fedhisto.infra.progress import disable_bars
 
     disable_bars()
     setup_logging(log_of(smk))
-    return load_config(dict(smk.config), source="snakemake config")
+    return study_config(dict(smk.config), source="snakemake config")
 
 
 def from_argv(description: str, argv: list[str] | None = None, **extra: str) -> tuple[Config, argparse.Namespace]:
@@ -58,4 +59,4 @@ def from_argv(description: str, argv: list[str] | None = None, **extra: str) -> 
         parser.add_argument(f"--{name}", required=True, help=help_text)
     args = parser.parse_args(argv)
     setup_logging(args.log)
-    return load_config_file(args.config), args
+    return study_config_file(args.config), args

@@ -4,16 +4,17 @@ import os
 
 from snakemake.utils import validate
 
-from fedhisto.bootstrap import comparison_files
-from fedhisto.config import command_line_config, load_config
+from fedhisto.bootstrap.stage import comparison_files
+from fedhisto.config.study import command_line_config
+from fedhisto.entry import study_config
 from fedhisto.experiments import layout as experiment_layout
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.realdata.listing import sources_inventory
-from fedhisto.zoo import encoder_entry
-from fedhisto.stage_config import stage_block
-from fedhisto.processes import available_memory_mb
-from fedhisto.warm import start_server, stop_server as stop_warm_server
+from fedhisto.registries.encoder_registry import encoder_entry
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.infra.processes import available_memory_mb
+from fedhisto.infra.warm_server import start_server, stop_server as stop_warm_server
 
 
 # A config file given on the command line (--configfile) is a whole study setup: the run's config is those
@@ -32,7 +33,7 @@ if workflow.config_settings.configfiles:
 else:
     CONFIG_SOURCE = "config (config/config.yaml, then --config overrides)"
 validate(config, schema="../schemas/config.schema.json", set_default=False)
-CFG = load_config(config, source=CONFIG_SOURCE)
+CFG = study_config(config, source=CONFIG_SOURCE)
 
 ENV = "../../envs/fedhisto.yaml"
 # The embedded default's clearance (~500 images) takes one core, so that the tiny encoder's pretraining,
@@ -67,7 +68,7 @@ def limit_local_memory(wf):
 HOST_MEM_MB = limit_local_memory(workflow)
 
 
-# The scripts that hand their stage to the warm server (fedhisto.warm.call): the torch stages, and the
+# The scripts that hand their stage to the warm server (fedhisto.infra.warm_server.call): the torch stages, and the
 # experiments' rules (scripts/experiments.py: all but two of them).
 WARM_SCRIPTS = {"train.py", "predict.py", "pretrain.py", "stain.py", "accounting.py", "metrics.py", "report.py",
                 "experiments.py"}
@@ -159,7 +160,7 @@ def all_targets():
     ]
 
 
-# Resource hints come from the encoder's registry entry (fedhisto.zoo, torch-free): a
+# Resource hints come from the encoder's registry entry (fedhisto.registries.encoder_registry, torch-free): a
 # foundation model asks for a GPU and hours, the tiny encoder runs on CPU in minutes.
 ENCODER_RESOURCES = encoder_entry(CFG.model.encoder.name).resources
 

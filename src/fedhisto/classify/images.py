@@ -6,7 +6,7 @@
   classify as one tile: cut it into tiles first;
 - an undecodable or truncated file: excluded, with the decoder's message;
 - greyscale, 16-bit, RGBA / palette-with-transparency and CMYK images are converted to 8-bit RGB by
-  ``fedhisto.imageio.load_rgb`` (16-bit rescaled, transparency composited on white) and the row says so.
+  ``fedhisto.infra.imageio.load_rgb`` (16-bit rescaled, transparency composited on white) and the row says so.
 
 Decoding is the pipeline's own (``splits.load_for_eval``), so the pixels the model sees are those of the
 ``predict`` stage for the same file.
@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fedhisto.imageio import UnreadableImageError
-from fedhisto.progress import Progress
-from fedhisto.splits import load_for_eval
+from fedhisto.data.splits import load_for_eval
+from fedhisto.infra.imageio import UnreadableImageError
+from fedhisto.infra.progress import Progress
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 CONVERSIONS = {"L": "greyscale -> RGB", "LA": "greyscale+alpha composited on white -> RGB",

@@ -17,14 +17,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from fedhisto.data.splits import Split
 from fedhisto.export.package import Package, PackageError
-from fedhisto.progress import Progress
-from fedhisto.provenance import digest_path
-from fedhisto.splits import Split
+from fedhisto.infra.progress import Progress
+from fedhisto.infra.provenance import digest_path
 
 
 def load_package_encoder(pkg: Package, encoder_dir: str | Path | None):
-    from fedhisto.config_model import EncoderConfig
+    from fedhisto.config.model_settings import EncoderConfig
     from fedhisto.model.encoder import EncoderLoadError, load_encoder, load_encoder_folder
 
     enc = pkg.meta["encoder"]
@@ -53,7 +53,7 @@ def load_package_encoder(pkg: Package, encoder_dir: str | Path | None):
 
 
 def build_package_model(pkg: Package, encoder_dir: str | Path | None = None):
-    from fedhisto.config_model import ModelConfig
+    from fedhisto.config.model_settings import ModelConfig
     from fedhisto.model.peft_model import FedHistoModel
 
     model_cfg = ModelConfig.model_validate(pkg.meta["model"])
@@ -66,7 +66,7 @@ def build_package_model(pkg: Package, encoder_dir: str | Path | None = None):
 
 def eval_settings(pkg: Package) -> SimpleNamespace:
     """What ``train.inference.predict`` reads of a config: the views and the evaluation batch."""
-    from fedhisto.config_data import ViewsConfig
+    from fedhisto.config.data_settings import ViewsConfig
 
     return SimpleNamespace(views=ViewsConfig.model_validate(pkg.meta["views"]),
                            evaluate=SimpleNamespace(eval_batch=pkg.meta["eval_batch"]))

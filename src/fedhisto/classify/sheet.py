@@ -10,8 +10,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_with
-from fedhisto.imageio import load_rgb
+from fedhisto.infra.atomic import write_with
+from fedhisto.infra.imageio import load_rgb
 
 THUMB = 128
 CAPTION = 28

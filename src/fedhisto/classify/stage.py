@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.calibration import apply_temperature
 from fedhisto.classify.images import decode_folder
 from fedhisto.export.package import load_package
-from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.stats.temperature import apply_temperature
 
 log = logging.getLogger(__name__)
 STAGE = "classify"
@@ -48,8 +48,8 @@ class ClassifyError(RuntimeError):
 
 def site_descriptor(paths: list[Path], meta: dict) -> tuple[np.ndarray | None, dict]:
     """The folder's standardised descriptor, or None (with the reason) when the estimator falls back."""
-    from fedhisto.config_data import StainConfig
-    from fedhisto.stain import client_descriptor
+    from fedhisto.config.data_settings import StainConfig
+    from fedhisto.stain.stage import client_descriptor
 
     desc = meta["descriptor"]
     stain = StainConfig.model_validate(desc["estimator"])
@@ -109,8 +109,8 @@ def read_labels(path: str | Path, images: list[str]) -> dict[str, int]:
 
 def label_metrics(labels: dict[str, int], rows: list[dict], probs: np.ndarray, resamples: int, seed: int,
                   confidence: float) -> dict:
-    from fedhisto.bootstrap import bootstrap_interval
-    from fedhisto.evaluation import classification_metrics
+    from fedhisto.stats.resampling import bootstrap_interval
+    from fedhisto.stats.scores import classification_metrics
 
     idx = [k for k, r in enumerate(rows) if r["image"] in labels]
     y = np.array([labels[rows[k]["image"]] for k in idx], dtype=int)

@@ -17,13 +17,14 @@ from fedhisto.clearance.candidates import (
     knn_pairs,
     vocabulary,
 )
-from fedhisto.clearance.families import UnionFind, components
+from fedhisto.clearance.families import components
 from fedhisto.clearance.hashing import dihedral_phashes, exact_groups, phash_pairs, sha256_of
 from fedhisto.clearance.linking import link_families
 from fedhisto.clearance.verify import Features, Verdict, extract, make_detector, verify
-from fedhisto.config import ClearanceConfig
-from fedhisto.imageio import load_rgb
-from fedhisto.progress import Progress
+from fedhisto.config.study import ClearanceConfig
+from fedhisto.infra.imageio import load_rgb
+from fedhisto.infra.progress import Progress
+from fedhisto.realdata.union_find import UnionFind
 
 log = logging.getLogger(__name__)
 EDGE_COLUMNS = ("a", "b", "stage", "score", "threshold", "decision", "inliers", "min_inliers", "scale",

@@ -7,24 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import combinations
 
-
-class UnionFind:
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
-
-    def find(self, x: int) -> int:
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)  # smallest index is the root: first-listed member
-
-    def connected(self, a: int, b: int) -> bool:
-        return self.find(a) == self.find(b)
+from fedhisto.realdata.union_find import UnionFind
 
 
 def components(n: int, edges: Iterable[tuple[int, int]]) -> list[list[int]]:

@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from fedhisto.clearance.families import UnionFind
 from fedhisto.clearance.verify import SCALE_RANGE, Verdict
+from fedhisto.realdata.union_find import UnionFind
 
 #: closest not-yet-verified cross pairs verified per suspect family pair
 LINK_CHECKS = 12

@@ -15,12 +15,12 @@ import csv
 from collections import defaultdict
 from pathlib import Path
 
-from fedhisto.atomic import write_csv, write_json, write_text
 from fedhisto.clearance.engine import EDGE_COLUMNS, AuditResult, audit_images
 from fedhisto.clearance.families import family_id, pairwise_scores
-from fedhisto.config import ClearanceConfig
-from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.sources import IMAGE_SUFFIXES, SourceRow, read_sources_csv
+from fedhisto.config.study import ClearanceConfig
+from fedhisto.infra.atomic import write_csv, write_json, write_text
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.realdata.sources import IMAGE_SUFFIXES, SourceRow, read_sources_csv
 
 STAGE = "clearance"
 FAMILY_COLUMNS = ("relpath", "path", "label", "site", "cohort", "sha256", "family", "family_size", "representative",

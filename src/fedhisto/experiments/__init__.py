@@ -10,7 +10,7 @@ one figure, plus the per-image predictions they are computed from:
 - ``leave_one_site_out``: FedStain's domain-generalisation protocol, four clients train and the
   fifth site's images test;
 - ``calibration``: temperature scaling per checkpoint, fitted on its validation predictions;
-- ``probe``: the stain-sensitivity probe of each dose-response encoder (:mod:`fedhisto.probe`),
+- ``probe``: the stain-sensitivity probe of each dose-response encoder (:mod:`fedhisto.model.stain_probe`),
   beside its v2-vs-FedAvg-PEFT gap: does it rank the encoders as the gap does?
 - ``sensitivity``: the study's unstated choices read other ways, one at a time against one baseline,
   and which headline conclusions keep their sign and interval under every reading.

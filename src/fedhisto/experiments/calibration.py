@@ -18,13 +18,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.calibration import apply_temperature, calibration_measures, fit_temperature, reliability_bins
-from fedhisto.config import Config
-from fedhisto.experiment_stats import interval
-from fedhisto.figures import legend_outside, plot_reliability, save_figure
-from fedhisto.predictions import read_predictions
-from fedhisto.provenance import provenance_block, sidecar_path
+from fedhisto.config.study import Config
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.plotting import legend_outside, plot_reliability, save_figure
+from fedhisto.infra.provenance import provenance_block, sidecar_path
+from fedhisto.stats.ensemble_intervals import interval
+from fedhisto.stats.prediction_files import read_predictions
+from fedhisto.stats.temperature import (
+    apply_temperature,
+    calibration_measures,
+    fit_temperature,
+    reliability_bins,
+)
 
 STAGE = "experiments"
 COHORTS = ("test", "external")

@@ -16,11 +16,11 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from fedhisto.atomic import write_csv, write_json
 from fedhisto.clearance.stage import refile
-from fedhisto.config import Config
-from fedhisto.manifest import composition, dataset_identity, manifest_columns, run_manifest
-from fedhisto.provenance import provenance_block, write_sidecar
+from fedhisto.config.study import Config
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.manifest.stage import composition, dataset_identity, manifest_columns, run_manifest
 
 STAGE = "experiments"
 log = logging.getLogger(__name__)

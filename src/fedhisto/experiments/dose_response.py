@@ -19,12 +19,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.config import Config
-from fedhisto.experiment_stats import metric_replicates, paired_macro_f1, summarise
-from fedhisto.figures import plot_lines_with_bands, save_figure
-from fedhisto.predictions import AlignmentError, ensemble
-from fedhisto.provenance import provenance_block
+from fedhisto.config.study import Config
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.plotting import plot_lines_with_bands, save_figure
+from fedhisto.infra.provenance import provenance_block
+from fedhisto.stats.ensemble_intervals import metric_replicates, paired_macro_f1, summarise
+from fedhisto.stats.prediction_files import AlignmentError, ensemble
 
 STAGE = "experiments"
 METRICS = ("macro_f1", "balanced_accuracy", "ece")

@@ -9,9 +9,9 @@ calls it at parse time.
 
 from __future__ import annotations
 
-from fedhisto.config import Config
-from fedhisto.config_base import identity_dump
-from fedhisto.stage_config import stage_block
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import Config
+from fedhisto.infra.settings_base import identity_dump
 
 ROOT = "results/experiments"
 EXPERIMENTS = ("dose_response", "leakage", "leave_one_site_out", "calibration", "probe", "privacy_audit",
@@ -59,7 +59,7 @@ def encoder_conditions(cfg: Config) -> list[str]:
 
 def encoder_pattern(cfg: Config) -> str:
     """Wildcard constraint of ``{encoder}``: the built-in tiny conditions and the configured entries."""
-    from fedhisto.config_experiments import TINY_ENCODERS
+    from fedhisto.config.experiment_settings import TINY_ENCODERS
 
     return "|".join(dict.fromkeys([*TINY_ENCODERS, *cfg.experiments.dose_response.labels()]))
 
@@ -75,7 +75,7 @@ def condition_config(cfg: Config, condition: str) -> Config:
     encoder entry, whose encoder (no pipeline pretraining: its weights come from its folder or the
     hub), input size (the registry entry's unless the entry sets ``crop_size``) and normalisation
     replace the main ones."""
-    from fedhisto.zoo import encoder_entry
+    from fedhisto.registries.encoder_registry import encoder_entry
 
     entry = cfg.experiments.dose_response.entry(condition.split("/", 1)[1]) \
         if condition.startswith("dose_response/") else None
@@ -158,7 +158,7 @@ def condition_manifest_inputs(condition: str) -> dict[str, str]:
 
 def entry_resources(cfg: Config, label: str) -> dict[str, int]:
     """Training resources of an encoder entry's runs: its registry entry's hints."""
-    from fedhisto.zoo import encoder_entry
+    from fedhisto.registries.encoder_registry import encoder_entry
 
     entry = cfg.experiments.dose_response.entry(label)
     if entry is None:
@@ -265,7 +265,7 @@ def privacy_audit_config(cfg: Config, condition: str, method: str) -> Config:
     delta, noised prototypes and a secret noise seed."""
     import json
 
-    from fedhisto.config import load_config
+    from fedhisto.config.study import load_config
 
     a = cfg.experiments.privacy_audit
     raw = json.loads(cfg.model_dump_json())

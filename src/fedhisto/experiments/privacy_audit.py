@@ -30,21 +30,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.config import Config
-from fedhisto.evaluation import macro_f1
+from fedhisto.config.study import Config
+from fedhisto.data.splits import Split, load_partitions
+from fedhisto.data.views import eval_view
 from fedhisto.experiments.layout import privacy_audit_block, privacy_audit_config
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.provenance import provenance_block, write_sidecar
 from fedhisto.methods import build_method
 from fedhisto.model.build import build_model, pick_device
 from fedhisto.privacy.attack import CanarySplit, loss_difference_scores, select_canaries
 from fedhisto.privacy.audit import audit_summary
-from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.splits import Split, load_partitions
+from fedhisto.stats.scores import macro_f1
 from fedhisto.train.inference import predict
 from fedhisto.train.loop import run_rounds
 from fedhisto.train.participants import InProcess
 from fedhisto.train.stage import descriptors_for, manifest_families, run_identity
-from fedhisto.views import eval_view
 
 log = logging.getLogger(__name__)
 NAME = "privacy_audit"

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from fedhisto.figures import legend_outside, save_figure
+from fedhisto.infra.plotting import legend_outside, save_figure
 
 
 def _order(rows: list[dict]) -> list[str]:

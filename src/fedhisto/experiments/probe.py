@@ -1,7 +1,7 @@
 """Experiment 5, stain-sensitivity probe: does a label-free look at the frozen encoder, taken before any
 federated training, rank the encoders as the dose-response gap (v2 minus FedAvg-PEFT) does?
 
-Per dose-response encoder condition, on the shifted cohort's tissues (:mod:`fedhisto.probe`):
+Per dose-response encoder condition, on the shifted cohort's tissues (:mod:`fedhisto.model.stain_probe`):
 
 - ``paired_stain``: the tissues at the lowest severity (the anchor client site), each drawn twice
   through v2's stain perturbation at evaluation geometry;
@@ -27,13 +27,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.config import Config
-from fedhisto.config_base import identity_dump
+from fedhisto.config.study import Config
 from fedhisto.experiments.layout import condition_config
-from fedhisto.figures import legend_outside, plot_bars_with_ci, save_figure
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.plotting import legend_outside, plot_bars_with_ci, save_figure
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.infra.settings_base import identity_dump
 from fedhisto.model.encoder import load_encoder
-from fedhisto.probe import (
+from fedhisto.model.stain_probe import (
     ProbeError,
     clean_view,
     embed,
@@ -43,7 +44,6 @@ from fedhisto.probe import (
     stain_sensitivity,
     summary_of,
 )
-from fedhisto.provenance import provenance_block, write_sidecar
 
 STAGE = "experiments"
 PROBE_COLUMNS = ("ratio", "ratio_same_class", "retrieval_top1")

@@ -19,14 +19,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.config import Config
-from fedhisto.evaluation import macro_f1
-from fedhisto.experiment_stats import paired_macro_f1
+from fedhisto.config.study import Config
 from fedhisto.experiments.sensitivity_layout import BASELINE, reading_names, retrained
-from fedhisto.figures import save_figure
-from fedhisto.predictions import AlignmentError, ensemble
-from fedhisto.provenance import provenance_block
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.plotting import save_figure
+from fedhisto.infra.provenance import provenance_block
+from fedhisto.stats.ensemble_intervals import paired_macro_f1
+from fedhisto.stats.prediction_files import AlignmentError, ensemble
+from fedhisto.stats.scores import macro_f1
 
 STAGE = "experiments"
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
 from fedhisto.experiments.layout import PLAIN_ENCODER, ROOT, dose_methods
-from fedhisto.registry import registration
+from fedhisto.registries.method_registry import registration
 
 BASELINE = "baseline"
 HERE = f"{ROOT}/sensitivity"
@@ -59,7 +59,7 @@ def reading_config(cfg: Config, reading: str) -> Config:
     out = cfg
     for key, value in values.items():
         if key == "views.normalisation" and value == "encoder":  # as Config does: the entry's statistics
-            from fedhisto.zoo import encoder_entry
+            from fedhisto.registries.encoder_registry import encoder_entry
 
             entry = encoder_entry(out.model.encoder.name)
             out = _set(out, ["views"], {**out.views.model_dump(), "normalisation": "encoder", "mean": entry.mean,
@@ -134,7 +134,7 @@ def summary_inputs(cfg: Config) -> dict[str, Any]:
 
 def shifted_block(cfg: Config, reading: str, method: str, seed: int) -> dict:
     """The predict block of a plain-encoder reading run on the shifted cohort (never temperature-scaled)."""
-    from fedhisto.stage_config import stage_block
+    from fedhisto.config.stage_blocks import stage_block
 
     block = stage_block(reading_config(cfg, reading), "predict", method=method, seed=seed)
     block.pop("temperature_scaling", None)

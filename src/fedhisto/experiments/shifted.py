@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_csv
-from fedhisto.config import Config
-from fedhisto.config_base import identity_dump
-from fedhisto.predict import load_run
-from fedhisto.predictions import PROB_COLUMNS
-from fedhisto.provenance import provenance_block, runtime_block, write_sidecar
-from fedhisto.splits import load_split
+from fedhisto.config.study import Config
+from fedhisto.data.splits import load_split
+from fedhisto.infra.atomic import write_csv
+from fedhisto.infra.provenance import provenance_block, runtime_block, write_sidecar
+from fedhisto.infra.settings_base import identity_dump
+from fedhisto.predict.stage import load_run
+from fedhisto.stats.prediction_files import PROB_COLUMNS
 from fedhisto.train.inference import predict
 from fedhisto.train.stage import descriptors_for
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from fedhisto.atomic import write_json, write_text
-from fedhisto.provenance import digest_path, sha256_file
+from fedhisto.infra.atomic import write_json, write_text
+from fedhisto.infra.provenance import digest_path, sha256_file
 
 FORMAT = "fedhisto-model-package/1"
 CHECKSUMS = "SHA256SUMS"

@@ -21,10 +21,8 @@ import numpy as np
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.calibration import fit_temperature
-from fedhisto.code_identity import code_identity
-from fedhisto.config import Config
-from fedhisto.export.card import card_json, card_markdown, cohort_metrics
+from fedhisto.config.study import Config
+from fedhisto.export.model_card import card_json, card_markdown, cohort_metrics
 from fedhisto.export.package import (
     FORMAT,
     PEFT_PREFIX,
@@ -33,9 +31,11 @@ from fedhisto.export.package import (
     split_state,
     write_package,
 )
-from fedhisto.predictions import ensemble
-from fedhisto.provenance import digest_path
-from fedhisto.zoo import encoder_entry
+from fedhisto.infra.code_identity import code_identity
+from fedhisto.infra.provenance import digest_path
+from fedhisto.registries.encoder_registry import encoder_entry
+from fedhisto.stats.prediction_files import ensemble
+from fedhisto.stats.temperature import fit_temperature
 
 log = logging.getLogger(__name__)
 STAGE = "export"
@@ -85,7 +85,7 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
                manifest_json: str | Path = "results/manifest/manifest.json", encoder_dir: str | None = None,
                overwrite: bool = False) -> dict:
     from fedhisto.methods import build_method
-    from fedhisto.predict import load_eligible_checkpoint
+    from fedhisto.predict.stage import load_eligible_checkpoint
     from fedhisto.train.stage import descriptors_for
 
     train_root, predictions_root = Path(train_root), Path(predictions_root)
@@ -136,7 +136,7 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
         "views": cfg.views.model_dump(mode="json"), "eval_batch": cfg.evaluate.eval_batch,
         "descriptor": descriptor,
         "temperature": {"value": temperature, "fitted_on": "the global validation set (pooled internal validation "
-                        f"images, n={len(val_y)}), ensemble probabilities, by NLL (fedhisto.calibration)",
+                        f"images, n={len(val_y)}), ensemble probabilities, by NLL (fedhisto.stats.temperature)",
                         "n": len(val_y)},
         "members": member_meta,
         "dataset_identity": identity,

@@ -29,14 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.clearance.families import UnionFind
 from fedhisto.clearance.hashing import phash_pairs
-from fedhisto.code_identity import CodeMismatch, check_code, code_identity
-from fedhisto.config import Config
+from fedhisto.config.study import Config
 from fedhisto.federation.upload import SiteUpload, UploadError, read_upload, settings_digest
-from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.stain import descriptors_document, write_descriptors_csv
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.code_identity import CodeMismatch, check_code, code_identity
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.realdata.union_find import UnionFind
+from fedhisto.stain.stage import descriptors_document, write_descriptors_csv
 
 STAGE = "coordinator"
 PAIR_COLUMNS = ("site_a", "sample_id_a", "site_b", "sample_id_b", "match", "distance", "component")

@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from fedhisto.processes import running
+from fedhisto.infra.processes import running
 
 TAG_VAR = "FEDHISTO_FLWR_TAG"
 

@@ -13,7 +13,7 @@ Key: SHA-256 of the encoder's config, its digest (``model.build.encoder_digest``
 files, or the hub id and pinned revision, or the random-initialisation recipe) and the package's
 code identity (``code_identity.source_digest``: other code could build another module from the same
 weights). The key is stored in the file and compared on read; a file of another key, or one that is
-truncated or unreadable, is rebuilt and overwritten. Written atomically (``fedhisto.atomic``).
+truncated or unreadable, is rebuilt and overwritten. Written atomically (``fedhisto.infra.atomic``).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from fedhisto.atomic import atomic_path
-from fedhisto.config import Config
+from fedhisto.config.study import Config
+from fedhisto.infra.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 ENCODER_CACHE_FORMAT = 1
 
 
 def encoder_cache_key(cfg: Config, encoder_dir: str) -> str:
-    from fedhisto.code_identity import code_identity
+    from fedhisto.infra.code_identity import code_identity
     from fedhisto.model.build import encoder_digest
 
     parts = [ENCODER_CACHE_FORMAT, cfg.model.encoder.model_dump(mode="json"), encoder_digest(cfg, encoder_dir or None),

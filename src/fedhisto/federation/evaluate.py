@@ -36,8 +36,13 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_json
-from fedhisto.evaluation import (
+from fedhisto.federation.records import get_members, get_value, put_members, put_value
+from fedhisto.infra.atomic import write_json
+from fedhisto.infra.provenance import write_sidecar
+from fedhisto.methods.base import GLOBAL
+from fedhisto.stats.prediction_files import MEMBER_COLUMN
+from fedhisto.stats.prediction_files import write_predictions as write_prediction_rows
+from fedhisto.stats.scores import (
     N,
     class_scores,
     confidence_bins,
@@ -45,11 +50,6 @@ from fedhisto.evaluation import (
     macro_f1_from_confusion,
     mean_over_present,
 )
-from fedhisto.federation.records import get_members, get_value, put_members, put_value
-from fedhisto.methods.base import GLOBAL
-from fedhisto.predictions import MEMBER_COLUMN
-from fedhisto.predictions import write_predictions as write_prediction_rows
-from fedhisto.provenance import write_sidecar
 
 SPLITS = ("validation", "test", "holdout", "external")
 COHORT_OF = {"test": "test", "holdout": "holdout", "external": "external"}
@@ -89,7 +89,7 @@ def counts_of(probs: np.ndarray, y: np.ndarray, bins: int) -> dict:
 
 def site_evaluation(site, run: dict, content: RecordDict) -> RecordDict:
     """``evaluate.split`` at a site: every split of ``run['splits']`` under every member state."""
-    from fedhisto.calibration import apply_temperature
+    from fedhisto.stats.temperature import apply_temperature
     from fedhisto.train.inference import predict
 
     members = get_members(content)
@@ -199,7 +199,7 @@ def write_predictions(out_dir: str | Path, replies: dict[str, RecordDict], targe
 
 def _counts_of_rows(rows: list[dict], bins: int) -> dict[str, dict]:
     """A rows site's contribution to a cohort that another site sent as counts: its rows, counted."""
-    from fedhisto.predictions import arrays
+    from fedhisto.stats.prediction_files import arrays
 
     out: dict[str, dict] = {}
     for site in sorted({r["client"] for r in rows}):
@@ -240,7 +240,7 @@ def cohort_metrics(pred_dir: str | Path, cohort: str, bins: int) -> dict:
     d = Path(pred_dir)
     doc = json.loads((d / "evaluation.json").read_text())["cohorts"][cohort]
     if doc["basis"] == "rows":
-        from fedhisto.metrics import _file_metrics
+        from fedhisto.metrics.stage import _file_metrics
 
         return {**_file_metrics(d / f"{cohort}.csv", bins), "basis": "rows"}
     counts = json.loads((d / "counts.json").read_text())["cohorts"][cohort]

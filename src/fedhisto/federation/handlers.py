@@ -36,10 +36,10 @@ import traceback
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from fedhisto.code_identity import identity_strings
 from fedhisto.federation.envelope import is_sealed, seal, unseal
 from fedhisto.federation.records import get_members, get_payload, put_value, record_state, state_record
 from fedhisto.federation.site import BUILT, Site, SiteConfig
+from fedhisto.infra.code_identity import identity_strings
 
 
 def _site(content: RecordDict, node_config: dict, run_config: dict) -> tuple[Site, dict]:

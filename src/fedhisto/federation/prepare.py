@@ -5,7 +5,7 @@ Run by the site on its own folder (``--images``); it reads nothing else, and wri
 - ``sources.csv``: the site's images (path, portable relpath ``<source-site>/<path in folder>``, label);
 - ``clearance/``: the clearance engine (``fedhisto.clearance``) within the site: ``edges.csv``,
   ``families.csv``, ``audit.json``, ``report.md``; a label-conflicting family stops here;
-- ``manifest/``: the site's manifest, built by the manifest stage's own code (``fedhisto.manifest``)
+- ``manifest/``: the site's manifest, built by the manifest stage's own code (``fedhisto.manifest.stage``)
   with the site's kept images as its client pool, so the holdout split is the study's rule
   (``targets.holdout_count`` per class, the split seed's streams for client index k), and sample ids
   are the central pipeline's (hash of the portable relpath); an evaluation-only site (``--role
@@ -29,15 +29,15 @@ from collections import Counter
 from pathlib import Path
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_csv, write_json, write_with
 from fedhisto.clearance.engine import audit_images
 from fedhisto.clearance.stage import FAMILY_COLUMNS, family_rows, write_outputs
-from fedhisto.code_identity import code_identity
-from fedhisto.config import Config, PartitionTargets
+from fedhisto.config.study import Config, PartitionTargets
 from fedhisto.federation.upload import ROLE_SPLITS, ROLES, SiteUpload, settings_digest
-from fedhisto.manifest import MANIFEST_COLUMNS, dataset_identity, run_manifest, sample_id
-from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.sources import (
+from fedhisto.infra.atomic import write_csv, write_json, write_with
+from fedhisto.infra.code_identity import code_identity
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.manifest.stage import MANIFEST_COLUMNS, dataset_identity, run_manifest, sample_id
+from fedhisto.realdata.sources import (
     IMAGE_SUFFIXES,
     READERS,
     SourceError,
@@ -46,7 +46,7 @@ from fedhisto.sources import (
     parse_label,
     write_sources_csv,
 )
-from fedhisto.stain import site_descriptor
+from fedhisto.stain.stage import site_descriptor
 
 log = logging.getLogger(__name__)
 STAGE = "site"
@@ -64,8 +64,8 @@ def read_site_images(images: Path, source_site: str, layout: str, cohort: str) -
 
     ``folders``: one folder per class directly below ``images`` (``ACA``/``Normal``/``SCC`` or an alias
     such as ``lung_aca``; a class may be missing), images anywhere below it. The other layouts are the
-    pipeline's dataset readers (``fedhisto.sources``) pointed at ``images``."""
-    from fedhisto.config import SourceSpec
+    pipeline's dataset readers (``fedhisto.realdata.sources``) pointed at ``images``."""
+    from fedhisto.config.study import SourceSpec
 
     if not images.is_dir():
         raise SourceError(f"site images: not a folder: {images}")

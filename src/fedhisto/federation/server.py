@@ -27,9 +27,8 @@ from typing import Protocol
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedhisto.atomic import write_json
-from fedhisto.code_identity import CodeMismatch, check_code
-from fedhisto.config import Config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import Config
 from fedhisto.federation.records import (
     get_value,
     payload_bytes,
@@ -39,11 +38,12 @@ from fedhisto.federation.records import (
     state_record,
 )
 from fedhisto.federation.site import federated_config
+from fedhisto.infra.atomic import write_json
+from fedhisto.infra.code_identity import CodeMismatch, check_code
+from fedhisto.infra.provenance import provenance_block, runtime_block
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, descriptor_digest
-from fedhisto.provenance import provenance_block, runtime_block
-from fedhisto.stage_config import stage_block
 from fedhisto.train.local import LocalResult
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable, run_rounds
 from fedhisto.train.optimizer_state import federation_refusal
@@ -215,7 +215,7 @@ class FederatedRun:
         status = json.loads((self.out / "status.json").read_text())["status"]
         temperatures = {}
         if self.cfg.evaluate.temperature_scaling:
-            from fedhisto.predict import member_temperatures
+            from fedhisto.predict.stage import member_temperatures
 
             temperatures = member_temperatures(self.out, list(ckpt["best"]["members"]))
         self._event(event="send", action="evaluate.split", round=ckpt["round"], sites=sorted({t.site for t in targets}))

@@ -36,7 +36,7 @@ from pathlib import Path  # noqa: E402
 from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from fedhisto.config import load_config_file  # noqa: E402
+from fedhisto.entry import study_config_file  # noqa: E402
 from fedhisto.federation.envelope import seal, unseal  # noqa: E402
 from fedhisto.federation.evaluate import EvaluationIncomplete  # noqa: E402
 from fedhisto.federation.server import FederatedRun  # noqa: E402
@@ -160,7 +160,7 @@ def main(grid: Grid, context: Context) -> None:
     log_dir = str(rc.get("log-dir", ""))
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-    cfg = load_config_file(str(rc["config"]))
+    cfg = study_config_file(str(rc["config"]))
     sites = _sites(rc["sites"])
     fed = FederatedRun(cfg, str(rc["method"]), int(rc["seed"]), sites, str(rc["out-dir"]),
                        str(rc["dataset-identity"]), str(rc["descriptors"]),

@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.atomic import atomic_path
-from fedhisto.config import Config, load_config
+from fedhisto.config.study import Config, load_config
+from fedhisto.data.splits import Split, _load
+from fedhisto.infra.atomic import atomic_path
 from fedhisto.methods import build_method
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.model.build import build_model, encoder_digest, pick_device
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split, _load
 from fedhisto.train.inference import predict
 from fedhisto.train.local import LocalResult, local_train
 from fedhisto.train.loop import ClientUnavailable
@@ -296,7 +296,7 @@ class Site:
         validation held by several sites sums them)."""
         import numpy as np
 
-        from fedhisto.evaluation import confusion
+        from fedhisto.stats.scores import confusion
 
         val = self.validation()
         out = {}

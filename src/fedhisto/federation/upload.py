@@ -11,7 +11,7 @@ field                content
 ``site``, ``role``   site id (``C3``) and role: ``client`` (trains; optimisation + holdout) or an
                      evaluation set it holds (``validation``, ``test``, ``external``)
 ``site_index``       the site's index k among the configured clients (seeds its random streams)
-``code``             :func:`fedhisto.code_identity.code_identity` (version, commit, source digest)
+``code``             :func:`fedhisto.infra.code_identity.code_identity` (version, commit, source digest)
 ``settings_digest``  SHA-256 of the settings that shape the upload (:func:`settings_block`), so the
                      coordinator refuses a site that prepared with other thresholds or seeds
 ``class_counts``     images per split and class in the site's manifest (``optimisation``/``holdout``
@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedhisto import CLASSES
-from fedhisto.config import Config
-from fedhisto.provenance import config_hash
-from fedhisto.stain import DESCRIPTOR_NAMES
+from fedhisto.config.study import Config
+from fedhisto.infra.provenance import config_hash
+from fedhisto.stain.stage import DESCRIPTOR_NAMES
 
 UPLOAD_SCHEMA_VERSION = 1
 ROLES = ("client", "validation", "test", "external")

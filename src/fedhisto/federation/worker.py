@@ -322,12 +322,12 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
 
 def _warm(node_config: dict, warm: dict) -> dict:
     """The warm-up (``site.warm_up``) of the node config this worker serves; its seconds go to the log."""
-    from fedhisto.config import load_config_file
+    from fedhisto.entry import study_config_file
     from fedhisto.federation.site import BUILT, SiteConfig, warm_up
 
     t0 = time.perf_counter()
     sc = SiteConfig.from_node_config(node_config, {})
-    done = warm_up(sc, load_config_file(str(warm["config"])), tuple(warm.get("splits", ("optimisation",))),
+    done = warm_up(sc, study_config_file(str(warm["config"])), tuple(warm.get("splits", ("optimisation",))),
                    tuple((str(m), int(s)) for m, s in warm.get("runs", ())))
     done["total"] = round(time.perf_counter() - t0, 3)
     done["built"] = dict(BUILT)  # what warm-up built or decoded itself (not read from the node's cache)

@@ -1,6 +1,6 @@
 """Federated methods as registered strategies (see ``base.Method`` for the hooks).
 
-The registry and the built-in registrations live in ``fedhisto.registry`` (torch-free, below the
+The registry and the built-in registrations live in ``fedhisto.registries.method_registry`` (torch-free, below the
 configuration); this package holds the methods themselves and builds them.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedhisto.registry import (
+from fedhisto.registries.method_registry import (
     Registration,
     default_comparisons,
     method_names,

@@ -36,14 +36,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
+from fedhisto.data.device_views import device_views
+from fedhisto.data.splits import Split
+from fedhisto.data.views import training_views
 from fedhisto.fedmath.aggregate import aggregate
 from fedhisto.fedmath.weights import SampleMass
 from fedhisto.methods.dp_objective import PrivateObjective, image_ce
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
-from fedhisto.splits import Split
-from fedhisto.views import training_views
-from fedhisto.views_device import device_views
 
 GLOBAL = "global"
 

@@ -41,8 +41,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedhisto.config_base import Strict
 from fedhisto.fedmath.aggregate import lora_pairs
+from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import GLOBAL, Method, PaperAssumptions, RoundUpdate
 from fedhisto.methods.dp_objective import objective_refusal
 from fedhisto.model.peft_model import FedHistoModel

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedhisto.config import Config, ViewsConfig
-from fedhisto.config_base import Strict
-from fedhisto.fedmath.fedstain import (
+from fedhisto.config.study import Config, ViewsConfig
+from fedhisto.data.splits import Split
+from fedhisto.data.views import eval_view, training_views
+from fedhisto.fedmath.fedstain_ops import (
     StyleStats,
     augmix,
     channel_moments,
@@ -34,6 +35,7 @@ from fedhisto.fedmath.fedstain import (
     style_traffic,
     upload_count,
 )
+from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import (
     Batch,
     BatchInputs,
@@ -45,8 +47,6 @@ from fedhisto.methods.base import (
     named_rng,
 )
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split
-from fedhisto.views import eval_view, training_views
 
 
 class FedStainConfig(Strict):

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedhisto.config import Config
-from fedhisto.config_base import IF_CHANGED, Strict
-from fedhisto.fedmath.fedstain import augmix, js_multi, representation_alignment, style_traffic
-from fedhisto.fedmath.fedstain_code import (
+from fedhisto.config.study import Config
+from fedhisto.data.splits import Split
+from fedhisto.data.views import eval_view
+from fedhisto.fedmath.fedstain_code_ops import (
     PixelMoments,
     code_upload_count,
     pixel_moments,
@@ -35,11 +35,11 @@ from fedhisto.fedmath.fedstain_code import (
     quantise_unit,
     torchvision_augmix,
 )
+from fedhisto.fedmath.fedstain_ops import augmix, js_multi, representation_alignment, style_traffic
+from fedhisto.infra.settings_base import IF_CHANGED, Strict
 from fedhisto.methods.base import Batch, BatchInputs, LocalRun, Method, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split
-from fedhisto.views import eval_view
 
 #: the code's JS clamps the mixture distribution at 1e-7
 JS_EPS = 1e-7

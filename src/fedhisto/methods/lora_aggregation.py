@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import torch
 from pydantic import Field
 
-from fedhisto.config_base import Strict
 from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, lora_pairs
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
+from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
 from fedhisto.methods.dp_objective import objective_refusal
 from fedhisto.model.peft_model import FedHistoModel

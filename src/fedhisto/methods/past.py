@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from fedhisto.config_base import Strict
+from fedhisto.data.splits import Split, eval_batches
 from fedhisto.fedmath.losses import (
     feature_consistency,
     js_divergence,
@@ -35,10 +35,10 @@ from fedhisto.fedmath.prototypes import (
     prototype_traffic,
 )
 from fedhisto.fedmath.weights import Adaptive, SampleMass, induced_update
+from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import Batch, LocalRun, Method, RoundUpdate, client_descriptors, zero_descriptors
 from fedhisto.methods.dp_objective import ImageCE, PrivateObjective, objective_refusal
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
-from fedhisto.splits import Split, eval_batches
 
 
 class PastConfig(Strict):

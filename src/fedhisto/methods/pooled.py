@@ -8,9 +8,9 @@ encoder, adapters, objective (class-balanced CE on one plain view, as ``fedavg_p
 
 from __future__ import annotations
 
+from fedhisto.data.splits import Split
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.methods.dp_objective import objective_refusal
-from fedhisto.splits import Split
 
 POOLED = "pooled"
 

@@ -76,9 +76,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedhisto.config_base import Strict
+from fedhisto.data.splits import Split, eval_batches
 from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.fedmath.losses import class_balanced_weights
+from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import (
     GLOBAL,
     Batch,
@@ -92,7 +93,6 @@ from fedhisto.methods.base import (
 )
 from fedhisto.methods.dp_objective import PrivateObjective, image_ce, objective_refusal
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split, eval_batches
 
 State = dict[str, torch.Tensor]
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
+from fedhisto.infra.provenance import canonical_json, config_hash, digest_path
 from fedhisto.model.encoder import load_encoder
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.provenance import canonical_json, config_hash, digest_path
 
 
 def pick_device() -> torch.device:

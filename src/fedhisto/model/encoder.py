@@ -1,4 +1,4 @@
-"""The frozen encoder at run time: any entry of the registry (``fedhisto.zoo``).
+"""The frozen encoder at run time: any entry of the registry (``fedhisto.registries.encoder_registry``).
 
 ``FrozenEncoder`` is the one interface the rest of the code uses: ``embed(pixels) -> (B, dim)``
 pooled as the entry says, ``blocks()`` (FedStain restyles after block k), ``dim``, and the full
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fedhisto.config import EncoderConfig
-from fedhisto.model.families import FAMILIES, EncoderLoadError
-from fedhisto.zoo import ENCODERS, EncoderEntry, encoder_entry
+from fedhisto.config.study import EncoderConfig
+from fedhisto.model.encoder_families import FAMILIES, EncoderLoadError
+from fedhisto.registries.encoder_registry import ENCODERS, EncoderEntry, encoder_entry
 
 __all__ = ["ENCODERS", "EncoderLoadError", "FrozenEncoder", "load_encoder", "load_encoder_folder", "random_encoder"]
 

@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
-from fedhisto.config import ModelConfig
+from fedhisto.config.study import ModelConfig
 from fedhisto.model.encoder import FrozenEncoder, encoder_blocks, pooled_embedding
 
 DESCRIPTOR_DIM = 14

@@ -4,7 +4,7 @@ Real folders carry ``.DS_Store``, ``Thumbs.db``, READMEs, licence files and meta
 beside the images. None of them stops the cohort stage and none is dropped silently: each is
 returned as an exclusion that the stage lists in ``results/cohort/excluded.csv`` and counts in
 its log. A file with an image extension is always an image: one that does not decode still
-stops the stage by name (``fedhisto.sources``), since a truncated scan must never vanish.
+stops the stage by name (``fedhisto.realdata.sources``), since a truncated scan must never vanish.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from fedhisto.clearance.families import UnionFind
+from fedhisto.realdata.union_find import UnionFind
 
 METADATA_EDGE_COLUMNS = ("a", "b", "origin", "key")
 

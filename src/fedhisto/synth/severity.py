@@ -25,12 +25,12 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_bytes, write_csv
-from fedhisto.config import Config, SyntheticCohort
-from fedhisto.config_experiments import DoseResponseConfig
-from fedhisto.provenance import provenance_block, write_sidecar
-from fedhisto.stage_config import stage_block
-from fedhisto.synth.cohort import (
+from fedhisto.config.experiment_settings import DoseResponseConfig
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import Config, SyntheticCohort
+from fedhisto.infra.atomic import write_bytes, write_csv
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.synth.embedded_cohort import (
     BASE_EDGE,
     LH_DIFF,
     LH_PREFIX,
@@ -39,8 +39,8 @@ from fedhisto.synth.cohort import (
     _rng,
     external_grades,
 )
-from fedhisto.synth.families import encode_jpeg
-from fedhisto.synth.stain import SITE_STYLES, SiteStyle, render_rgb, unit
+from fedhisto.synth.relatives import encode_jpeg
+from fedhisto.synth.stain_styles import SiteStyle, render_rgb, style_at
 from fedhisto.synth.tissue import tissue
 
 STAGE = "experiments"
@@ -51,58 +51,7 @@ STREAM_TAG = 15
 #: JPEG quality range kept under extrapolation: below 40 libjpeg's 8x8 block artefacts dominate a
 #: 160-pixel tile (the experiment would measure compression, not stain); above 95 Pillow warns that
 #: quantisation is partly disabled, and no site here stores above 95.
-JPEG_QUALITY_RANGE = (40, 95)
-STAIN_FLOOR = 0.01  # every stain absorbs a little in every channel; a zero component is not a real dye
 COLUMNS = ("sample_id", "tissue_id", "severity", "relpath", "path", "label", "differentiation", "magnification")
-
-
-def _lerp(a: float, b: float, s: float) -> float:
-    return (1.0 - s) * float(a) + s * float(b)
-
-
-def _stain_vector(a: Sequence[float], b: Sequence[float], s: float) -> tuple[float, ...]:
-    v = unit(np.array([_lerp(x, y, s) for x, y in zip(a, b, strict=True)]).clip(STAIN_FLOOR))
-    # normalising a vector longer than 1 pushes a floored component back under the floor: pin the floored
-    # components and shrink the others to keep unit length (repeat in case that floors another one)
-    pinned = np.zeros(len(v), bool)
-    while (v[~pinned] < STAIN_FLOOR).any() and not pinned.all():
-        pinned |= v < STAIN_FLOOR
-        v[pinned] = STAIN_FLOOR
-        v[~pinned] *= np.sqrt(1.0 - pinned.sum() * STAIN_FLOOR**2) / np.linalg.norm(v[~pinned])
-    return tuple(float(x) for x in v)
-
-
-def style_at(severity: float, anchor: str = "site1") -> SiteStyle:
-    """The stain chemistry and scanner at ``severity`` on the line from ``anchor`` (0) to the external site (1).
-
-    Linear in every field, extrapolated beyond 1; stain vectors are renormalised to unit length with
-    components >= 0.01, gains kept >= 0.05 and gamma >= 0.3 (Beer-Lambert and the tone curve stay
-    physical), illuminant within 0..255, blur and noise >= 0, JPEG quality rounded into
-    :data:`JPEG_QUALITY_RANGE`.
-    """
-    if severity < 0:
-        raise ValueError(f"severity must be >= 0 (got {severity})")
-    if anchor not in SITE_STYLES or anchor == "external":
-        raise ValueError(f"anchor must be a client site, one of {[s for s in SITE_STYLES if s != 'external']}")
-    a, b = SITE_STYLES[anchor], SITE_STYLES["external"]
-    if severity == 0:  # exact endpoints: no round-off from renormalising already-unit vectors
-        return a
-    if severity == 1:
-        return b
-    s = float(severity)
-    lo, hi = JPEG_QUALITY_RANGE
-    return SiteStyle(
-        hematoxylin=_stain_vector(a.hematoxylin, b.hematoxylin, s),
-        eosin=_stain_vector(a.eosin, b.eosin, s),
-        h_gain=max(_lerp(a.h_gain, b.h_gain, s), 0.05),
-        e_gain=max(_lerp(a.e_gain, b.e_gain, s), 0.05),
-        illuminant=tuple(float(np.clip(_lerp(x, y, s), 0.0, 255.0)) for x, y in zip(a.illuminant, b.illuminant,
-                                                                                    strict=True)),
-        gamma=max(_lerp(a.gamma, b.gamma, s), 0.3),
-        blur_sigma=max(_lerp(a.blur_sigma, b.blur_sigma, s), 0.0),
-        noise_sd=max(_lerp(a.noise_sd, b.noise_sd, s), 0.0),
-        jpeg_quality=int(np.clip(round(_lerp(a.jpeg_quality, b.jpeg_quality, s)), lo, hi)),
-    )
 
 
 def severity_tag(severity: float) -> str:

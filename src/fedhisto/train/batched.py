@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
 from fedhisto.methods.base import Batch, Method, restyle_views
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.optimizer_state import OptimizerState, check_names, keeps_state

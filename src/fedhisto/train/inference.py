@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
+from fedhisto.data.splits import Split, eval_batches
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
-from fedhisto.splits import Split, eval_batches
 
 
 @torch.no_grad()

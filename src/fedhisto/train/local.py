@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
+from fedhisto.data.splits import Split
 from fedhisto.methods.base import LocalSchedule, Method
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split
 from fedhisto.train.optimizer_state import OptimizerState, keeps_state, load_into, read_from
 from fedhisto.train.plan import (
     LocalResult,

@@ -36,12 +36,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fedhisto.atomic import atomic_path
-from fedhisto.config import Config
+from fedhisto.config.study import Config
 from fedhisto.fedmath.aggregate import flat_update
+from fedhisto.infra.atomic import atomic_path
+from fedhisto.infra.progress import Progress
 from fedhisto.methods.base import Method, RoundUpdate
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.progress import Progress
 from fedhisto.train.local import LocalResult
 
 State = dict[str, torch.Tensor]

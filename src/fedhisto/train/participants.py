@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from fedhisto.config import Config
-from fedhisto.evaluation import macro_f1 as macro_f1_of
+from fedhisto.config.study import Config
+from fedhisto.data.splits import Split
 from fedhisto.methods.base import GLOBAL, Method, named_rng
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split
+from fedhisto.stats.scores import macro_f1 as macro_f1_of
 from fedhisto.train.inference import predict
 from fedhisto.train.local import LocalResult, local_train
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, State
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def macro_f1(probs: torch.Tensor, labels: list[int]) -> float:
-    return macro_f1_of(labels, probs.argmax(1).cpu().numpy())  # the package's one macro-F1 (fedhisto.evaluation)
+    return macro_f1_of(labels, probs.argmax(1).cpu().numpy())  # the package's one macro-F1 (fedhisto.stats.scores)
 
 
 def validate_members(model: FedHistoModel, validation: Split, descriptor: torch.Tensor | None, cfg: Config,

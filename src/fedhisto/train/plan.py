@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
+from fedhisto.data.splits import Split
 from fedhisto.fedmath.losses import class_balanced_weights
 from fedhisto.methods.base import Batch, LocalRun, LocalSchedule, Method, named_rng
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.splits import Split
 
 
 @dataclass

@@ -25,15 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhisto.config import Config
+from fedhisto.config.study import Config
+from fedhisto.data.splits import Split, eval_batches
 from fedhisto.fedmath.prototypes import ClientPrototypes
 from fedhisto.methods.base import Batch, Method
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 from fedhisto.privacy.accountant import PrivacyBudgetExceeded
 from fedhisto.privacy.dpsgd import noise_generator, privacy_units, steps_per_epoch
 from fedhisto.privacy.releases import noised_prototypes, prototype_sigma, releases_of
-from fedhisto.privacy.site import DPSite
-from fedhisto.splits import Split, eval_batches
+from fedhisto.privacy.site_dpsgd import DPSite
 from fedhisto.train.local import OPTIMIZERS, kept_state, make_optimizer
 from fedhisto.train.loop import RunStopped
 from fedhisto.train.plan import LocalResult, MemberJob, check_optimizer, local_run, seed_round

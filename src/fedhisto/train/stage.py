@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 
 from fedhisto import CLASSES
-from fedhisto.atomic import write_csv, write_json
-from fedhisto.config import Config
+from fedhisto.config.stage_blocks import stage_block
+from fedhisto.config.study import Config
+from fedhisto.data.splits import load_partitions
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.provenance import config_hash, provenance_block, runtime_block
 from fedhisto.methods import build_method
 from fedhisto.methods.base import Method
 from fedhisto.model.build import build_model, descriptor_digest, encoder_digest, pick_device
-from fedhisto.predictions import PROB_COLUMNS
-from fedhisto.provenance import config_hash, provenance_block, runtime_block
-from fedhisto.splits import load_partitions
-from fedhisto.stage_config import stage_block
+from fedhisto.stats.prediction_files import PROB_COLUMNS
 from fedhisto.train.inference import predict
 from fedhisto.train.loop import (
     ClientFailure,

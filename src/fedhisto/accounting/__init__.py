@@ -1,0 +1,1 @@
+"""Stage ``accounting``: communication per round from the real tensor shapes and messages."""

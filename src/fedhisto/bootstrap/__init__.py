@@ -1,0 +1,1 @@
+"""Stage ``bootstrap``: paired bootstrap of a named comparison (resampling: :mod:`fedhisto.stats.resampling`)."""

@@ -1,0 +1,1 @@
+"""Stage ``metrics``: per-run, client-level, cross-seed, ensemble and subgroup tables."""

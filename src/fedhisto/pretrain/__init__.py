@@ -1,0 +1,1 @@
+"""Stage ``pretrain``: features for the tiny encoder of the embedded default."""

@@ -1,0 +1,1 @@
+"""Stage ``stain``: the clients' 14-d stain descriptors."""
