@@ -30,7 +30,7 @@ if "snakemake" in globals():
     cfg = from_snakemake(smk)
     rule = smk.rule
     if rule == "render_shifted_cohort":
-        from fedhisto.synth.severity import run_render_shift
+        from fedhisto.experiments.severity_render import run_render_shift
 
         run_render_shift(cfg, Path(smk.output.cohort).parent, threads=smk.threads)
     elif rule == "pretrain_plain_encoder":

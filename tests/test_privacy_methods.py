@@ -97,7 +97,7 @@ def test_the_engine_and_privacy_name_no_method():
             for k, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
     assert not re.search(r"isinstance\([^)]*Method|_REFUSED|_PER_SAMPLE",
-                         (REPO / "src/fedhisto/privacy/support.py").read_text())
+                         (REPO / "src/fedhisto/methods/dp_capability.py").read_text())
 
 
 class _Linear(torch.nn.Module):

@@ -13,10 +13,10 @@ from fedhisto.config.stage_blocks import stage_block
 from fedhisto.config.study import load_config
 from fedhisto.experiments import layout as X
 from fedhisto.experiments.probe import probe_condition, summarise_probe
+from fedhisto.experiments.severity_render import run_render_shift
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.stain_probe import ProbeError
 from fedhisto.registries.encoder_registry import HIBOU_MEAN, HIBOU_STD, IMAGENET_MEAN, encoder_entry
-from fedhisto.synth.severity import run_render_shift
 
 SMALL = {"cohort": {"synthetic": {"external_image_size": 64}}, "views": {"crop_size": 32},
          "model": {"encoder": {"name": "tiny"}},

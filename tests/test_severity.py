@@ -12,7 +12,13 @@ import pytest
 from PIL import Image
 
 from fedhisto.config.study import load_config
-from fedhisto.synth.severity import plan_shift, render_shift_cohort, render_styles, run_render_shift, tissue_maps
+from fedhisto.experiments.severity_render import (
+    plan_shift,
+    render_shift_cohort,
+    render_styles,
+    run_render_shift,
+    tissue_maps,
+)
 from fedhisto.synth.stain_styles import JPEG_QUALITY_RANGE, SITE_STYLES, style_at
 
 ANCHORS = [s for s in SITE_STYLES if s != "external"]

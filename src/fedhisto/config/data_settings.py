@@ -38,7 +38,7 @@ class SyntheticCohort(Strict):
     external_severity: float = Field(
         1.0, ge=0, le=3, json_schema_extra=unless(1.0),
         description="the external site's stain chemistry and scanner on the dose-response line from site1 (0) "
-                    "through the external site (1), extrapolated beyond it (fedhisto.synth.severity.style_at)")
+                    "through the external site (1), extrapolated beyond it (fedhisto.synth.stain_styles.style_at)")
     external_grades: list[Literal["well", "moderately", "poorly"]] = Field(
         default_factory=lambda: ["well", "moderately", "poorly"], min_length=1,
         json_schema_extra=unless(["well", "moderately", "poorly"]),
