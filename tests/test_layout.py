@@ -25,7 +25,11 @@ def test_a_stage_lives_in_its_three_places(rule_file: Path) -> None:
     assert script.is_file(), f"stage {stage}: no scripts/{stage}.py"
     scripts = re.findall(r"^\s*script:\s*\n\s*\"([^\"]+)\"", rule_file.read_text(), re.M)
     assert scripts, f"{rule_file.name} runs no script"
-    assert set(scripts) == {f"../../scripts/{stage}.py"}, f"{rule_file.name} runs {sorted(set(scripts))}"
+    assert f"../../scripts/{stage}.py" in scripts, f"{rule_file.name} never runs scripts/{stage}.py"
+    # a stage may rerun another stage's step (the experiments retrain conditions through train/predict/stain)
+    stages = {p.stem for p in RULES}
+    foreign = {s for s in scripts if Path(s).stem not in stages}
+    assert not foreign, f"{rule_file.name} runs scripts of no stage: {sorted(foreign)}"
     assert f"fedhisto.{stage}.stage" in script.read_text(), f"scripts/{stage}.py does not call fedhisto.{stage}.stage"
     assert f'include: "workflow/rules/{rule_file.name}"' in (ROOT / "Snakefile").read_text()
 

@@ -48,9 +48,6 @@ STAGE = "experiments"
 #: ``[cohort.seed, 0|1|2, key]`` and the pretraining pool's ``[pretrain.seed, 99, c, k]``: a different
 #: tag and length keep the shifted tissues disjoint from both even if the seeds happened to coincide.
 STREAM_TAG = 15
-#: JPEG quality range kept under extrapolation: below 40 libjpeg's 8x8 block artefacts dominate a
-#: 160-pixel tile (the experiment would measure compression, not stain); above 95 Pillow warns that
-#: quantisation is partly disabled, and no site here stores above 95.
 COLUMNS = ("sample_id", "tissue_id", "severity", "relpath", "path", "label", "differentiation", "magnification")
 
 

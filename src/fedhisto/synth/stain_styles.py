@@ -92,6 +92,9 @@ def od_to_rgb(od: np.ndarray, background: float = 255.0) -> np.ndarray:
 
 # The dose-response line between a client site's style and the external site's (the shifted cohort of the
 # dose-response experiment renders along it; the embedded cohort's external site at cfg.external_severity).
+#: JPEG quality range kept under extrapolation: below 40 libjpeg's 8x8 block artefacts dominate a
+#: 160-pixel tile (the experiment would measure compression, not stain); above 95 Pillow warns that
+#: quantisation is partly disabled, and no site here stores above 95.
 JPEG_QUALITY_RANGE = (40, 95)
 STAIN_FLOOR = 0.01  # every stain absorbs a little in every channel; a zero component is not a real dye
 
