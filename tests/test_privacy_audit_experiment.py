@@ -22,12 +22,13 @@ def audit_cfg(prepared: dict):
 
 
 def test_audit_conditions_train_score_and_summarise(prepared: dict, audit_cfg, tmp_path: Path):
-    from fedhisto.experiments.layout import (
+    from fedhisto.experiments.privacy_audit import (
         privacy_audit_block,
         privacy_audit_conditions,
         privacy_audit_config,
+        summarise_privacy_audit,
     )
-    from fedhisto.experiments.privacy_audit import run_condition, summarise_privacy_audit
+    from fedhisto.experiments.privacy_audit_runs import run_condition
     from fedhisto.privacy import rdp
     from fedhisto.privacy.accountant import Release, SiteAccountant
     from fedhisto.privacy.dpsgd import steps_per_epoch
