@@ -56,8 +56,9 @@ class PrivacyAuditConfig(Strict):
     (docs/experiments.md, docs/privacy.md). The other DP settings of the audited runs are these, not
     ``privacy:`` (which configures the main runs)."""
 
-    methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "past_v2"], min_length=1,
-                                  description="audited methods (v2 under DP releases noised prototypes)")
+    methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "past_v2", "ffa_lora"], min_length=1,
+                                  description="audited methods (v2 under DP releases noised prototypes; ffa_lora "
+                                              "trains and noises B only, A frozen at its shared initialisation)")
     noise_multipliers: list[float] = Field(default_factory=lambda: [0.6, 1.0, 2.0], min_length=1,
                                            description="DP conditions, beside the non-private one")
     sites: list[ClientName] = Field(default_factory=lambda: ["C1", "C2", "C3", "C4", "C5"], min_length=1,
