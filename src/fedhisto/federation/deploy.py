@@ -1,7 +1,7 @@
 """Flower processes, certificates and keys, as the CLI (``fedhisto superlink/site/federate``) and tests use them.
 
-Deployment defaults (Flower 1.42): one HTTPS port on the SuperLink for Fleet, Control and Runtime
-APIs; TLS with a CA the sites trust; SuperNode authentication by keys the coordinator registers
+Deployment defaults (Flower 1.40-1.42, stock processes): one HTTPS port on the SuperLink for Fleet,
+Control and Runtime APIs; TLS with a CA the sites trust; SuperNode authentication by keys the coordinator registers
 (``flwr supernode register <site>.pub <conn> --name <site>``: the name is how the ServerApp finds a
 site). Turning TLS/authentication off needs ``insecure=True`` (``--insecure`` on the CLI).
 
