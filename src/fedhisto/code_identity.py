@@ -19,7 +19,7 @@ from fedhisto import __version__
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 #: Files of the package that are not Python source but change what it does (pyproject package-data).
-PACKAGE_DATA = ("py.typed", "federation/app/pyproject.toml")
+PACKAGE_DATA = ("py.typed", "federation/app/pyproject.toml", "federation/fastpath/app/pyproject.toml")
 
 
 class CodeMismatch(RuntimeError):
