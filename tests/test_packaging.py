@@ -40,7 +40,7 @@ def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: 
     # the README's test command runs verbatim (the proofs run beside it, each in its own lane)
     assert ("test", test_cmd) in lanes
     text = (repo / "README.md").read_text()
-    blocks = re.findall(r"```text\n(.*?)```", text, flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     ci_steps = [step for _, command in lanes for step in _steps(command)]
     for marker in ("pytest -m slurm", "pytest -m flower", "pytest -m zoo", "pytest -m study"):
         proof = next(b.strip() for b in blocks if marker in b)
@@ -55,7 +55,7 @@ def test_readme_cluster_command_is_the_one_the_slurm_test_runs(repo: Path):
     sys.path.insert(0, str(repo / "tests"))
     from test_slurm import README_COMMAND
 
-    assert f"```text\n{README_COMMAND}\n```" in (repo / "README.md").read_text()
+    assert f"```bash\n{README_COMMAND}\n```" in (repo / "README.md").read_text()
 
 
 # Rule files whose `conda:` lines are still to go (with common.smk's ENV): none once experiments.smk is done.

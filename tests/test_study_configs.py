@@ -162,7 +162,7 @@ def test_the_documented_study_commands_plan_the_study(where: str, roots_overlay:
     text = (REPO / where).read_text()
     command = {"docs/cluster.md": "snakemake --cores 8 all --resources gpu=1 --configfile config/paper.yaml",
                "config/paper.yaml": "snakemake --cores 8 all --configfile config/paper.yaml"}[where]
-    assert (f"```text\n{command}\n```" if where.endswith(".md") else f"# Run with: {command}\n") in text
+    assert (f"```bash\n{command}\n```" if where.endswith(".md") else f"# Run with: {command}\n") in text
     proc = _snakemake(snakemake_bin, tmp_path, "-n", *command.split()[1:], str(roots_overlay))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert _job_counts(proc.stdout + proc.stderr)["train_federated"] == 54
