@@ -52,8 +52,9 @@ def steps(body: str) -> list[list[str]]:
 
 
 BLOCKS = [(path, line, body) for path in guides() for lang, line, body in fenced(path) if lang in ("bash", "sh")]
-COMMANDS = [(f"{path.name}:{line}", words) for path, line, body in BLOCKS
-            if not body.lstrip().startswith(NOT_RUN) for words in steps(body)]
+# each distinct command once, named by where it first appears
+COMMANDS = list({tuple(words): (f"{path.name}:{line}", words) for path, line, body in reversed(BLOCKS)
+                 if not body.lstrip().startswith(NOT_RUN) for words in reversed(steps(body))}.values())[::-1]
 
 
 def test_the_guides_give_commands_and_mark_the_unrun_ones_with_a_reason():
@@ -148,3 +149,38 @@ def test_each_command_in_the_guides_is_exercised(where: str, words: list[str], s
     else:
         pytest.fail(f"{where}: {line}: no test runs this; check it here, or start its block with "
                     f"'{NOT_RUN} <why>'")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path):
+    text = re.sub(r"^( *)```.*?^\1```", "", path.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.*)$", text, flags=re.M):
+        slug = _slug(heading)
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+@pytest.mark.parametrize("path", [*guides(), REPO / "docs/changelog.md"], ids=lambda p: p.name)
+def test_every_link_between_the_guides_resolves(path: Path):
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if target.startswith(("http://", "https://")):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file) if file else path
+        assert linked.exists(), f"{path.name}: no file {target}"
+        if anchor and linked.suffix == ".md":
+            assert anchor in set(_anchors(linked)), f"{path.name}: no heading for {target}"
+
+
+@pytest.mark.parametrize("path", guides(), ids=lambda p: p.name)
+def test_the_guides_cite_no_issue_numbers_or_missing_sources(path: Path):
+    """History (issues, sessions, dated measurements) lives in docs/changelog.md; sources the repository
+    does not hold are not cited."""
+    text = path.read_text()
+    assert not re.findall(r"(?i)issue [0-9]+|#[0-9]{2}\b", text)
+    assert not re.findall(r"SPEC\.md|SPEC section|papers/|/work/shared", text)
