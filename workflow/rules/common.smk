@@ -34,8 +34,8 @@ else:
 validate(config, schema="../schemas/config.schema.json", set_default=False)
 CFG = load_config(config, source=CONFIG_SOURCE)
 
-# No conda route: the workflow runs in the environment it is installed in (docs/cluster.md). ENV is
-# still named by experiments.smk's rules; it goes with their `conda:` lines.
+# No conda route: the workflow runs in the environment it is installed in (docs/cluster.md). ENV (and
+# envs/fedhisto.yaml) is still named by experiments.smk's rules; both go with their `conda:` lines.
 ENV = "../../envs/fedhisto.yaml"
 # The embedded default's clearance (~500 images) takes one core, so that the tiny encoder's pretraining,
 # which needs no cohort, runs beside the cohort -> clearance -> manifest -> stain chain on a 2-core laptop.
