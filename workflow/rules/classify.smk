@@ -26,8 +26,6 @@ rule export_model:
         mem_mb=predict_mem_mb,
         runtime=10,
         gpu=0,
-    conda:
-        ENV
     script:
         "../../scripts/classify.py"
 
@@ -55,7 +53,5 @@ rule classify_folder:
         mem_mb=predict_mem_mb,
         runtime=predict_runtime,
         gpu=train_gpu,
-    conda:
-        ENV
     script:
         "../../scripts/classify.py"

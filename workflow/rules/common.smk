@@ -34,6 +34,8 @@ else:
 validate(config, schema="../schemas/config.schema.json", set_default=False)
 CFG = load_config(config, source=CONFIG_SOURCE)
 
+# No conda route: the workflow runs in the environment it is installed in (docs/cluster.md). ENV (and
+# envs/fedhisto.yaml) is still named by experiments.smk's rules; both go with their `conda:` lines.
 ENV = "../../envs/fedhisto.yaml"
 # The embedded default's clearance (~500 images) takes one core, so that the tiny encoder's pretraining,
 # which needs no cohort, runs beside the cohort -> clearance -> manifest -> stain chain on a 2-core laptop.
@@ -74,9 +76,10 @@ WARM_SCRIPTS = {"train.py", "predict.py", "pretrain.py", "stain.py", "accounting
 
 
 def start_warm_server(wf):
-    """Local runs only: cluster jobs run on other hosts under the scheduler's limits, conda jobs under
-    another interpreter; they all start cold, as does any job with FEDHISTO_WARM=0. A run with fewer than
-    three torch jobs to do skips it: the server's own imports cost about what three cold jobs' do."""
+    """Local runs only: cluster jobs run on other hosts under the scheduler's limits, jobs under a
+    software deployment method (--sdm) under another interpreter; they all start cold, as does any job
+    with FEDHISTO_WARM=0. A run with fewer than three torch jobs to do skips it: the server's own imports
+    cost about what three cold jobs' do."""
     if not (wf.local_exec and not wf.remote_exec and not wf.deployment_settings.deployment_method):
         return
     try:
