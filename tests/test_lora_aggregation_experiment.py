@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from fedhisto.experiments.lora_aggregation import LoraAggregationSettings, arm_dir, arms, summarise_lora_aggregation
+from fedhisto.experiments.lora_aggregation import (
+    LoraAggregationSettings,
+    arm_dir,
+    arms,
+    summarise_lora_aggregation,
+)
 from fedhisto.experiments.lora_aggregation_runs import arm_config, train_arm, update_spectrum
 
 
