@@ -6,7 +6,7 @@ from snakemake.utils import validate
 
 from fedhisto.bootstrap import comparison_files
 from fedhisto.config import command_line_config, load_config
-from fedhisto.experiments import layout as experiment_layout
+from fedhisto.experiments.dose_response import entry_resources as dose_entry_resources
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.realdata.listing import sources_inventory
@@ -194,7 +194,7 @@ def pretrain_inputs(wildcards):
 def encoder_gpu(encoder, wildcards):
     """A dose-response encoder entry asks for its own device; the built-in conditions, the main encoder's."""
     if CFG.experiments.dose_response.entry(encoder):
-        return experiment_layout.entry_resources(CFG, encoder)["gpu"]
+        return dose_entry_resources(CFG, encoder)["gpu"]
     return train_gpu(wildcards)
 
 
@@ -212,3 +212,29 @@ def classify_cohort_input(wildcards):
     """A folder of the pipeline's own cohort is made by the cohort stage; a site's folder is the user's."""
     folder = classify_images(wildcards)
     return cohort_outputs()[:1] if folder.startswith("results/cohort/") else []
+
+
+# ------------------------------------------------------------- experiments (workflow/rules/experiments.smk)
+# An experiment step's (fedhisto.experiments.base.Step) inputs, outputs and resources as its rule takes them.
+STEP_RESOURCES = {
+    "train": {"mem_mb": train_mem_mb, "runtime": train_runtime, "gpu": train_gpu},
+    "predict": {"mem_mb": predict_mem_mb, "runtime": predict_runtime, "gpu": train_gpu},
+    "predict_encoder": {"mem_mb": predict_mem_mb, "runtime": predict_runtime,
+                        "gpu": lambda wildcards: encoder_gpu(wildcards.encoder, wildcards)},
+}
+
+
+def step_inputs(step):
+    return step.inputs if callable(step.inputs) else lambda wildcards: step.inputs
+
+
+def step_resource(step, key):
+    if isinstance(step.resources, str):
+        return STEP_RESOURCES[step.resources][key]
+    if callable(step.resources):
+        return lambda wildcards: step.resources(wildcards)[key]
+    return step.resources[key]
+
+
+def step_outputs(step):
+    return {k: directory(v) if k in step.directories else v for k, v in step.output.items()}

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from fedhisto.config import Config
-from fedhisto.experiments.layout import PLAIN_ENCODER, ROOT, dose_methods
+from fedhisto.experiments.base import ROOT
+from fedhisto.experiments.dose_response import PLAIN_ENCODER, dose_methods
 from fedhisto.registry import registration
 
 BASELINE = "baseline"

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -27,7 +28,6 @@ from PIL import Image, ImageDraw
 from fedhisto import CLASSES
 from fedhisto.atomic import write_bytes, write_csv
 from fedhisto.config import Config, SyntheticCohort
-from fedhisto.config_experiments import DoseResponseConfig
 from fedhisto.provenance import provenance_block, write_sidecar
 from fedhisto.stage_config import stage_block
 from fedhisto.synth.cohort import (
@@ -42,6 +42,9 @@ from fedhisto.synth.cohort import (
 from fedhisto.synth.families import encode_jpeg
 from fedhisto.synth.stain import SITE_STYLES, SiteStyle, render_rgb, unit
 from fedhisto.synth.tissue import tissue
+
+if TYPE_CHECKING:  # the experiment module imports this one's renderer inside its step, never at import
+    from fedhisto.experiments.dose_response import DoseResponseConfig
 
 STAGE = "experiments"
 #: First entry of every seed stream drawn here after the shift seed. The cohort's streams are
