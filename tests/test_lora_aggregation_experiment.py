@@ -65,3 +65,18 @@ def test_arms_record_spectrum_and_traffic_and_the_summary_pairs_them_with_delta_
     delta = next(c for c in cells if c["aggregator"] == "delta_svd")
     assert float(fedex["traffic_mib_per_round"]) > float(delta["traffic_mib_per_round"])
     assert (tmp_path / "summary/lora_aggregation.png").stat().st_size > 0
+
+
+def test_the_experiment_is_one_registration_with_its_arms_and_summary():
+    from fedhisto.config import load_config
+    from fedhisto.experiments.registry import experiment
+
+    cfg = load_config({})
+    steps = experiment("lora_aggregation").steps(cfg)
+    assert [s.rule for s in steps] == ["train_lora_aggregation_arm", "summarize_lora_aggregation"]
+    assert steps[-1].output["json"] == "results/experiments/lora_aggregation/lora_aggregation.json"
+    assert len(steps[-1].inputs["arms"]) == 2 * 60  # rounds.json and external.csv of each of the 60 arms
+    small = load_config({"experiments": {"lora_aggregation": {"encoders": ["main"], "aggregators": ["delta_svd",
+                                                                                                  "ffa_lora"],
+                                                              "seeds": [11]}}})
+    assert len(experiment("lora_aggregation").steps(small)[-1].inputs["arms"]) == 2 * 4

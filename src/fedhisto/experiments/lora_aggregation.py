@@ -22,13 +22,25 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from fedhisto.config import Config
 from fedhisto.config_base import Strict
+from fedhisto.experiments.base import (
+    ROOT,
+    Experiment,
+    Step,
+    alternatives,
+    encoder_dir,
+    summary_dir,
+    summary_files,
+    warm,
+)
 
 NAME = "lora_aggregation"
+HERE = f"{ROOT}/{NAME}"
 ENCODERS = ("main", "plain")
 AGGREGATORS = ("delta_svd", "factor_mean", "flexlora", "fedex_lora", "ffa_lora")
 REFERENCE = "delta_svd"
@@ -68,6 +80,78 @@ def arms(settings: LoraAggregationSettings) -> list[tuple[str, str, str, int]]:
 
 def arm_dir(root: str | Path, encoder: str, aggregator: str, method: str, seed: int) -> Path:
     return Path(root) / encoder / aggregator / method / f"seed{seed}"
+
+
+# ------------------------------------------------------------------ the experiment's steps
+def arm_inputs(cfg: Config, encoder: str) -> dict[str, str | list[str]]:
+    """The main manifest, identity and descriptors; the frozen encoder of the condition (main or plain)."""
+    from fedhisto.experiments.dose_response import PLAIN_ENCODER
+    from fedhisto.experiments.layout import main_inputs
+
+    inputs = main_inputs(cfg)
+    if encoder == "plain":
+        inputs["encoder"] = [PLAIN_ENCODER]
+    return inputs
+
+
+def arm_block(cfg: Config, aggregator: str, method: str, seed: int | str) -> dict:
+    """What one arm depends on beyond its input files: its training and prediction stage blocks."""
+    from fedhisto.experiments.lora_aggregation_runs import arm_config
+    from fedhisto.stage_config import stage_block
+
+    c = arm_config(cfg, aggregator, method, int(seed))
+    return {"train": stage_block(c, "train", method=method, seed=int(seed)),
+            "predict": stage_block(c, "predict", method=method, seed=int(seed))}
+
+
+def summary_runs(cfg: Config) -> list[tuple[str, str, str, int, str, str]]:
+    out = []
+    for e, a, m, s in arms(cfg.experiments.lora_aggregation):
+        folder = arm_dir(HERE, e, a, m, s)
+        out.append((e, a, m, s, f"{folder}/predictions/external.csv", f"{folder}/rounds.json"))
+    return out
+
+
+def _arm(smk: Any, cfg: Config) -> None:
+    w = smk.wildcards
+    warm(smk, "fedhisto.experiments.lora_aggregation_runs:train_arm", cfg, w.aggregator, w.method, int(w.seed),
+         smk.input.manifest, smk.input.identity, smk.input.descriptors, str(Path(smk.output.rounds).parent),
+         encoder_dir=encoder_dir(smk), threads=smk.threads)
+
+
+def _summarise(smk: Any, cfg: Config) -> None:
+    from fedhisto.provenance import provenance_block
+
+    x = cfg.experiments
+    runs = summary_runs(cfg)
+    prov = provenance_block("experiments", {"experiment": NAME, NAME: x.lora_aggregation.model_dump(mode="json"),
+                                            "resamples": x.resamples, "bootstrap_seed": x.bootstrap_seed},
+                            {f"run{i}": r[5] for i, r in enumerate(runs)})
+    warm(smk, "fedhisto.experiments.lora_aggregation:summarise_lora_aggregation", runs, x.resamples,
+         x.bootstrap_seed, str(summary_dir(smk)), prov)
+
+
+class LoraAggregation(Experiment):
+    name = NAME
+    settings = LoraAggregationSettings
+
+    def steps(self, cfg: Config) -> list[Step]:
+        x = cfg.experiments.lora_aggregation
+        arm = "{lencoder}/{aggregator}/{method}/seed{seed}"
+        return [
+            Step("train_lora_aggregation_arm", {"rounds": f"{HERE}/{arm}/rounds.json",
+                                                "external": f"{HERE}/{arm}/predictions/external.csv"},
+                 _arm, inputs=lambda w: arm_inputs(cfg, w.lencoder),
+                 params={"block": lambda w: arm_block(cfg, w.aggregator, w.method, w.seed)},
+                 log=f"logs/experiments/{NAME}/{arm}.log", resources="train",
+                 wildcard_constraints={"lencoder": alternatives(list(x.encoders)),
+                                       "aggregator": alternatives(list(x.aggregators))}),
+            Step(f"summarize_{NAME}", summary_files(NAME), _summarise,
+                 inputs={"arms": [p for r in summary_runs(cfg) for p in r[4:]]},
+                 params={"block": {"experiment": NAME, NAME: x.model_dump(mode="json"),
+                                   "resamples": cfg.experiments.resamples,
+                                   "bootstrap_seed": cfg.experiments.bootstrap_seed}}),
+        ]
 
 
 def summarise_lora_aggregation(runs: list[tuple[str, str, str, int, str, str]], resamples: int, bootstrap_seed: int,
