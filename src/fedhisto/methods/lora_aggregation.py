@@ -7,6 +7,8 @@ one model per site), and FlexLoRA changes what each site starts from (its own ra
 hooks a method owns (``trains``, ``members``, ``start_state``, ``aggregate_train``), so each is a thin
 registration of this class with the aggregator's name, beside ``fedavg_peft`` (the same model with
 the study's delta-SVD), and the aggregators themselves stay pure functions any method can call.
+The PAST family takes the ones that keep one global model as an option of its own
+(``train.past.lora_aggregator``, ``methods.past``): v2 and FedAvg-PEFT under each aggregator.
 
 Heterogeneous ranks (``train.lora_aggregation.site_ranks``, e.g. ``[[C1, 4], [C4, 2]]``; sites not
 named train at ``model.lora_r``): the model keeps rank ``model.lora_r`` everywhere and a rank-r_k
