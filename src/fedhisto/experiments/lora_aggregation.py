@@ -232,7 +232,7 @@ def _figure(cells: list[dict], curves: list[dict], path: Path) -> None:
                         fmt=markers[c["method"]], color=colours[c["aggregator"]], capsize=3,
                         label=f"{c['method']} / {c['aggregator']}")
         ax.set_xlabel("traffic per round (MiB, all clients, both ways)")
-        ax.set_ylabel("external macro-F1 (seed ensemble, 95 % CI)")
+        ax.set_ylabel("external macro-F1 (ensemble, 95 % CI)")
         ax.set_title(f"encoder: {encoder}")
         ax = axes[1, col]
         for method in methods:
@@ -245,7 +245,7 @@ def _figure(cells: list[dict], curves: list[dict], path: Path) -> None:
                             label=f"{method} / {aggregator}")
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("round")
-        ax.set_ylabel("energy share of the leading direction of dW (mean over modules)")
+        ax.set_ylabel("leading direction's energy share of dW")
     legend_outside(axes[0, -1], fontsize=7)
     legend_outside(axes[1, -1], fontsize=7)
     save_figure(fig, path)
