@@ -249,5 +249,7 @@ _LORA = "fedhisto.methods.lora_aggregation:LoraAggregated"
 _LORA_SETTINGS = {"config_key": "lora_aggregation", "settings": "fedhisto.methods.lora_aggregation:LoraAggregationConfig"}
 register("factor_mean", _LORA, **_LORA_SETTINGS, aggregator_name="factor_mean", comparison="v2_vs_factor_mean")
 register("flexlora", _LORA, **_LORA_SETTINGS, aggregator_name="flexlora", comparison="v2_vs_flexlora")
+# FedEx-LoRA folds the factor mean's residual into the frozen weights (dense folded_base.* tensors in the state).
+register("fedex_lora", _LORA, **_LORA_SETTINGS, aggregator_name="fedex_lora", comparison="v2_vs_fedex_lora")
 register("ffa_lora", _LORA, **_LORA_SETTINGS, aggregator_name="ffa_lora", comparison="v2_vs_ffa_lora")
 register("fedsa_lora", _LORA, **_LORA_SETTINGS, aggregator_name="fedsa_lora", comparison="v2_vs_fedsa_lora")

@@ -60,8 +60,12 @@ class Aggregator:
                       ) -> tuple[int, int]:
         """(down, up) bytes of one site in one round, from the real tensors of a trainable ``state``:
         every tensor but the ones this aggregator keeps off the wire, a factor at the site's rank."""
+        from fedhisto.fedmath.lora_aggregators.fold import is_folded
+
         down = up = 0
         for key, t in state.items():
+            if is_folded(key):  # the server's folded base deltas: counted by extra_down_bytes
+                continue
             if self.frozen_factor and f".{self.frozen_factor}." in key:
                 continue
             if self.local_factor and f".{self.local_factor}." in key:
