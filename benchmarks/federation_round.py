@@ -1,15 +1,16 @@
-"""Per-round wall time of a Flower deployment before and after the cold-start cut, side by side in one run.
+"""Per-round wall time of a Flower deployment on stock Flower processes and on the fast path, side by side.
 
 On the Flower tests' cohort and tiny config (tests/flower_support.py: five sites, past_v2, two
 rounds), on this host:
 
 1. in-process engine (``train.stage.run_train``), the reference;
-2. deployment as Flower runs it (TLS + SuperNode auth, five SuperNodes, one ``flwr-clientapp`` process
-   per message that imports torch/peft, builds the model and decodes the site's images; polls of 3 s
-   at the SuperNode, 1 s at the SuperExec, 3 s in ``Grid.send_and_receive``);
-3. deployment as ``fedhisto site`` starts it (a long-lived worker per site, 0.2 / 0.1 / 0.2 s polls),
-   each worker warmed up before it says ready (``--warm-config``: frozen encoder, the site's images,
-   the run's model; the evaluation site also its validation images).
+2. deployment as ``fedhisto site`` starts it by default, on Flower's own processes (TLS + SuperNode
+   auth, five SuperNodes, one ``flwr-clientapp`` process per message that imports torch/peft, builds
+   the model and reads the site's decoded images from the node cache; the SuperNode's fixed 3 s idle
+   poll, SuperExecs polling every 0.1 s, the ServerApp pulling every 0.2 s);
+3. deployment as ``fedhisto site --fastpath`` starts it (``federation.fastpath``: a long-lived worker
+   per site, 0.2 / 0.1 / 0.2 s polls), each worker warmed up before it says ready (``--warm-config``:
+   frozen encoder, the site's images, the run's model; the evaluation site also its validation images).
 
 Prints a markdown table (per round: wall, train and post phases) and, per message of the Flower
 default, where its seconds went (the ClientApp process's age when the handler started = interpreter
@@ -40,7 +41,7 @@ def deployment(prepared: dict, root: Path, fast: bool, method: str) -> dict:
     specs = [SiteSpec(s, prepared["manifest"], prepared["descriptors"], **warm,
                       warm_splits=("optimisation", "validation") if s == sites[0] else ("optimisation",))
              for s in sites]
-    fed = LocalFederation(root, specs, fast=fast)
+    fed = LocalFederation(root, specs, fastpath=fast)
     out, logs = root / f"results/train/{method}/seed11", root / "serverapp"
     t0 = time.time()
     try:
@@ -73,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work")
     ap.add_argument("--out", default="federation_round.json")
-    ap.add_argument("--skip-default", action="store_true", help="only the in-process and the fast deployment")
+    ap.add_argument("--skip-default", action="store_true", help="only the in-process and the fast-path deployment")
     ap.add_argument("--method", default="past_v2", help="a federable method (past_v2, fedavg_peft, fedstain, ...)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="fedround-"))

@@ -11,7 +11,7 @@
 #   round          one study-shape round (HIBOU-B, five clients of 64 images, past_v2: client update,
 #                  delta-SVD aggregation, prototypes, validation) for both engines and both view pipelines;
 #   bench_compile  HIBOU-B at 25 members with the batched step under torch.compile (train.compile);
-#   report         the Markdown block for docs/performance.md with the full-grid estimate (39 study
+#   report         the Markdown block for docs/changelog.md with the full-grid estimate (39 study
 #                  runs, at most 50 rounds, one GPU; target under 2 hours): performance_block.md.
 # Files under $OUT (7, as the device tool returns at most 8): env.json, bench_hibou.json,
 # bench_uni.json, round.json, bench_compile.json, performance_block.md, check.log (every step's output).

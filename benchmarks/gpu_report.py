@@ -1,4 +1,4 @@
-"""Writes the Markdown block for docs/performance.md from what benchmarks/gpu_check.sh left in a folder.
+"""Writes the Markdown block for docs/changelog.md from what benchmarks/gpu_check.sh left in a folder.
 
 Usage::
 

@@ -9,7 +9,7 @@ Usage (on a machine with a GPU; also runs, slowly, on a CPU with small numbers):
 Builds the real PEFT model on a randomly initialised encoder of the entry's exact shape (timing
 does not depend on the weights, and no download is possible here), five clients with synthetic
 tiles at the entry's input size, and runs the real client update, delta-SVD aggregation, prototype exchange and
-validation pass of the training engine. Prints a Markdown table for docs/performance.md. Every
+validation pass of the training engine. Prints a Markdown table for docs/changelog.md. Every
 (method, engine, view pipeline) combination runs, except fedstain / fedstain_code with device views
 (they refuse them). ``--depth`` builds fewer encoder blocks (CPU dry runs of benchmarks/gpu_check.sh).
 """

@@ -147,3 +147,22 @@ def train(prepared: dict, method: str, out: Path, cfg=None, **hooks) -> dict:
                      cfg or prepared["cfg"], out, **hooks)
 
 
+
+
+#: The one lint the workflows answer by design: their jobs run in the environment the package is installed
+#: in (docs/cluster.md), so no rule names a conda env or container.
+SOFTWARE_LINT = "Specify a conda environment or container for each rule."
+
+
+def assert_lint_clean(proc) -> None:
+    """``snakemake --lint`` found nothing, or only the software-environment advice, once per rule."""
+    import re
+
+    out = proc.stdout + proc.stderr
+    if "Congratulations" in out:
+        assert proc.returncode == 0, out
+        return
+    titles = set(re.findall(r"^    \* (.+):$", out, flags=re.M))
+    rules_linted = re.findall(r"^Lints for rule (\w+)", out, flags=re.M)
+    assert rules_linted and titles == {SOFTWARE_LINT}, out[-4000:]
+    assert len(rules_linted) == out.count(SOFTWARE_LINT), "a rule has a lint beside the software one: " + out[-4000:]

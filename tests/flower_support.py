@@ -6,8 +6,15 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
 from conftest import TINY as CONFTEST_TINY
 from conftest import prepare_cohort
+
+from fedhisto.federation.fastpath import supported as fastpath_supported
+from fedhisto.federation.fastpath import why_unsupported as fastpath_why_unsupported
+
+# the fast path patches Flower's internals: tested on the Flower versions it names, skipped on any other
+needs_fastpath = pytest.mark.skipif(not fastpath_supported(), reason=fastpath_why_unsupported())
 
 # The training tests' config (conftest.TINY: its cohort, encoder and head) with two rounds, sequential: the
 # in-process reference trains each site alone, as every Flower site does (the batched engine draws dropout
@@ -23,7 +30,9 @@ def prepare(root: Path) -> dict:
 
 class LocalGrid:
     """The part of ``flwr.serverapp.Grid`` the ServerApp uses, delivering to the ClientApp in-process.
-    ``node_config`` per node as a SuperNode's ``--node-config``; ``down``: node ids that never answer."""
+    ``node_config`` per node as a SuperNode's ``--node-config``; ``down``: node ids that never answer.
+    A node config with ``worker`` (a fast-path site worker's socket; not a SuperNode key) hands that
+    node's messages to the worker instead (``fastpath.worker.forward``)."""
 
     def __init__(self, node_configs: dict[int, dict], run_config: dict, named: bool = True):
         from flwr.supercore.task_identity import TaskIdentity
@@ -50,7 +59,17 @@ class LocalGrid:
             nid = m.metadata.dst_node_id
             if nid in self.down:
                 continue
-            ctx = Context(run_id=1, node_id=nid, node_config=self.node_configs[nid], state=RecordDict(),
+            node_config = self.node_configs[nid]
+            if node_config.get("worker"):
+                from flwr.app import Message
+
+                from fedhisto.federation.fastpath.worker import forward
+
+                content = forward(str(node_config["worker"]), m.metadata.message_type, m.content,
+                                  {k: v for k, v in node_config.items() if k != "worker"}, self.run_config)
+                replies.append(Message(content, reply_to=m))
+                continue
+            ctx = Context(run_id=1, node_id=nid, node_config=node_config, state=RecordDict(),
                           run_config=self.run_config)
             replies.append(app(m, ctx))
         return replies

@@ -11,7 +11,7 @@ import numpy as np
 from sklearn.metrics import f1_score
 
 from fedhisto.config.study import load_config
-from fedhisto.experiments import layout as X
+from fedhisto.experiments import dose_response as X
 from fedhisto.experiments.dose_response import difference_pairs, summarise_dose_response
 from fedhisto.stats.prediction_files import PROB_COLUMNS, write_predictions
 

@@ -12,7 +12,7 @@ from test_manifest import write_corpus
 
 from fedhisto.clearance.stage import kept_by
 from fedhisto.config.study import load_config
-from fedhisto.experiments import layout
+from fedhisto.experiments import dose_response, layout, leakage, leave_one_site_out
 from fedhisto.experiments.conditions import ConditionError, leave_one_site_out_manifest, policy_manifest
 from fedhisto.experiments.leakage import relatives_in_training
 from fedhisto.manifest.stage import run_manifest
@@ -98,20 +98,20 @@ def test_layout_reuses_main_runs_and_names_every_input():
         "results/predictions/past_v2/seed11"
     assert layout.run_dir(cfg, "leakage/ignore_families", "train", "past_v2", 11) == \
         "results/experiments/leakage/ignore_families/train/past_v2/seed11"
-    assert layout.condition_inputs(cfg, "dose_response/plain")["encoder"] == [layout.PLAIN_ENCODER]
+    assert layout.condition_inputs(cfg, "dose_response/plain")["encoder"] == [dose_response.PLAIN_ENCODER]
     loso = layout.condition_inputs(cfg, "leave_one_site_out/C3")
     assert loso["manifest"] == "results/experiments/leave_one_site_out/C3/manifest/manifest.csv"
     assert loso["descriptors"] == "results/experiments/leave_one_site_out/C3/stain/descriptors.json"
     assert layout.condition_inputs(cfg, "leakage/whole_families")["descriptors"] == \
         "results/experiments/leakage/whole_families/stain/descriptors.json"
-    assert layout.leakage_manifest(cfg, "representatives") == "results/manifest/manifest.csv"
+    assert leakage.leakage_manifest(cfg, "representatives") == "results/manifest/manifest.csv"
     with pytest.raises(ValueError, match="unknown experiment condition"):
         layout.condition_inputs(cfg, "nothing/here")
-    plain = layout.plain_encoder_config(cfg)
+    plain = dose_response.plain_encoder_config(cfg)
     assert plain.model.pretrain.stain_views is False and cfg.model.pretrain.stain_views is True
     x = cfg.experiments
-    assert len(layout.leave_one_site_out_runs(cfg)) == len(x.leave_one_site_out.left_out) * \
-        len(layout.leave_one_site_out_methods(cfg)) * len(x.leave_one_site_out.seeds)
+    assert len(leave_one_site_out.leave_one_site_out_runs(cfg)) == len(x.leave_one_site_out.left_out) * \
+        len(leave_one_site_out.leave_one_site_out_methods(cfg)) * len(x.leave_one_site_out.seeds)
 
 
 def test_experiments_config_rejects_designs_without_their_comparison():
@@ -123,7 +123,7 @@ def test_experiments_config_rejects_designs_without_their_comparison():
         load_config({"experiments": {"dose_response": {"severities": [1.0, 0.0]}}})
     plain_main = load_config({"model": {"pretrain": {"stain_views": False}}})  # a valid study config
     with pytest.raises(ValueError, match="stain_views"):
-        layout.shifted_inputs(plain_main, "stain_invariant", "past_v2", 11)
+        dose_response.shifted_inputs(plain_main, "stain_invariant", "past_v2", 11)
     with pytest.raises(Exception, match="unknown method"):
         load_config({"experiments": {"leakage": {"methods": ["nope"]}}})
 

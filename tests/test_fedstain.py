@@ -1,4 +1,4 @@
-"""FedStain comparator math (SPEC section 11): moments, pools, RandStain, MixStyle, SupCon, JS, AugMix."""
+"""FedStain comparator math (Yu et al.'s paper and public code): moments, pools, RandStain, MixStyle, SupCon, JS, AugMix."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flower_support import SITES, LocalGrid, prepare
+from flower_support import SITES, LocalGrid, needs_fastpath, prepare
 
 from fedhisto.config.study import load_config_file
 from fedhisto.train.stage import run_train
@@ -204,12 +204,14 @@ def test_a_pre_upload_variant_of_a_method_travels_the_message_path_bitwise(prepa
                        local_flower(variant, "scaffold", tmp_path / "flower"))
 
 
+@needs_fastpath
 def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dict, tmp_path: Path):
-    """The cold-start cut: each site's messages go to its long-lived worker (``federation.worker``), a
+    """The fast path: each site's messages go to its long-lived worker (``fastpath.worker``), a
     separate process per site, whose replies are the in-process ones bit for bit; the ClientApp side
     forwards only; the decoded images land in the node-local cache (read back instead of decoding:
     tests/test_site_cache.py)."""
-    from fedhisto.federation.deploy import Procs, flower_env, worker_cmd
+    from fedhisto.federation.deploy import Procs, flower_env
+    from fedhisto.federation.fastpath.launch_commands import worker_cmd
 
     env = flower_env(tmp_path / "home")
     procs = Procs(tmp_path / "logs", env)
@@ -242,7 +244,7 @@ def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dic
         start_workers()
         phases = run(tmp_path / "flower")
         worker_pids = {p.pid for name, p in procs.procs.items() if name.startswith("worker_")}
-        from fedhisto.federation.worker import call
+        from fedhisto.federation.fastpath.worker import call
 
         # a worker serves its own node config only, and a garbled request leaves it serving
         _, refused = call(str(sock["C1"].resolve()), "query", b"", {"site-id": "C2"}, {})
@@ -439,17 +441,13 @@ def test_simulation_engine_equals_in_process_engine(prepared: dict, tmp_path: Pa
 
 
 def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, tmp_path: Path):
-    """A SuperLink and five SuperNodes on localhost, TLS and SuperNode authentication on; past_v2, two rounds.
-    The SuperLink is restarted between rounds (the ServerApp dies with it; a new run resumes from the
-    checkpoint); C5's SuperNode is killed during round 2 and recorded unavailable; C5 rejoins under its
-    registered name; the ServerApp opens no image; every process is stopped on exit.
-
-    Both process models in one federation: C1 and C5 run Flower's own (a new ClientApp process per message
-    that imports torch and decodes the site's images; C1 under ``flower-supernode`` itself, C5 through
-    ``supernode_poll`` for a 10 s heartbeat, so the SuperLink declares the killed C5 gone after about 20 s
-    instead of about 60); C2-C4 run what ``fedhisto site`` starts (``supernode_poll`` handing each task to
-    a long-lived site worker). C5 is killed inside its cold ClientApp's start-up: a worker site answers a
-    round of the tiny config in about a second, too soon to be killed in it reliably."""
+    """A SuperLink and five SuperNodes on localhost, TLS and SuperNode authentication on; past_v2, two rounds;
+    every process Flower's own, as ``fedhisto site`` starts it (a new ClientApp process per message that
+    imports torch and reads the site's decoded images). The SuperLink is restarted between rounds (the
+    ServerApp dies with it; a new run resumes from the checkpoint); C5's SuperNode is killed during
+    round 2 (inside its ClientApp's start-up) and recorded unavailable, once the SuperLink has missed two
+    of its 30 s heartbeats; C5 rejoins under its registered name; the ServerApp opens no image; every
+    process is stopped on exit. The fast path's deployment: the site-local deployment test below."""
     from fedhisto.federation import APP_DIR
     from fedhisto.federation.deploy import (
         Procs,
@@ -463,10 +461,8 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
         superlink_cmd,
         supernode_cmd,
         wait_port,
-        worker_cmd,
         write_connection,
     )
-    from fedhisto.federation.supernode_poll import HEARTBEAT_VAR
 
     t_start = time.time()
     wd = tmp_path
@@ -475,10 +471,8 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     port = free_port()
     home = wd / "flwr_home"
     write_connection(home, "lab", f"127.0.0.1:{port}", root_certificates=tls["ca"])
-    env = flower_env(home, extra={HEARTBEAT_VAR: "10"})  # read by the supernode_poll sites only
+    env = flower_env(home)
     procs = Procs(wd / "logs", env)
-    plain = {"C1", "C5"}  # Flower's own process model; the others hand their tasks to site workers
-    sock = {s: wd / "run" / s / "worker.sock" for s in SITES}
     out, logs = wd / "results/train/past_v2/seed11", wd / "serverapp"
     sl = superlink_cmd(port, tls=tls, database=wd / "superlink.db")
     rc = run_config(prepared, "past_v2", out, logs, **{"pause-between-rounds": 15.0})
@@ -490,20 +484,12 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
                                           "json"], env))["node-id"] for s in SITES}
 
         def start_node(s: str) -> None:
-            fast = ({} if s == "C1" else {"fast_poll": True} if s in plain else
-                    {"worker": sock[s], "cache_dir": sock[s].parent / "cache", "fast_poll": True})
             procs.start(f"supernode_{s}", supernode_cmd(f"127.0.0.1:{port}", s, prepared["manifest"],
                                                         prepared["descriptors"], tls["ca"], keys[s][0],
-                                                        runtime_port=free_port(), **fast))
+                                                        runtime_port=free_port(), cache_dir=wd / "cache" / s))
 
         for s in SITES:
-            if s not in plain:
-                procs.start(f"worker_{s}", worker_cmd(sock[s], s, prepared["manifest"], prepared["descriptors"],
-                                                      cache_dir=sock[s].parent / "cache",
-                                                      ready_file=sock[s].parent / "ready.json"))
             start_node(s)
-        _wait_for(lambda: all((sock[s].parent / "ready.json").exists() for s in SITES if s not in plain), HANG_S,
-                  "workers ready")
         flwr_cli(["run", str(APP_DIR), "lab", "--run-config", run_config_arg(rc), "--format", "json"], env, cwd=wd)
         _wait_for(lambda: any(e["event"] == "checkpoint" and e["round"] == 1 for e in _events(logs)), HANG_S, "round 1")
         timings["round1_done_s"] = time.time() - t_start
@@ -535,11 +521,11 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     assert set(ckpt["history"][1]["unavailable_clients"]) == {"C5"}
     assert "C5" not in ckpt["history"][1]["weights"] and len(ckpt["history"][1]["weights"]) == 4
     assert json.loads((out / "status.json").read_text())["status"] == "finalised"
-    served = {}  # round 1, every action: which sites' tasks a site worker ran (the launcher's path marks them)
+    served = {}  # round 1, every action: each site's reply came from Flower's own ClientApp process
     for action in ckpt["history"][0]["phases"].values():
         for site, info in action["sites"].items():
             served.setdefault(site, set()).add(info.get("worker-task") == 1)
-    assert served == {s: {s not in plain} for s in SITES}, served
+    assert served == {s: {False} for s in SITES}, served
     audits = [json.loads(p.read_text()) for p in logs.glob("serverapp_open_audit.*.json")]
     assert len(audits) >= 2  # the first and the resumed ServerApp
     data_root = str(prepared["images"])
@@ -551,10 +537,11 @@ def test_deployment_tls_auth_killed_site_and_superlink_restart(prepared: dict, t
     subprocess.run(["true"])
 
 
+@needs_fastpath
 def test_deployment_sites_with_only_their_own_folders_prepare_train_evaluate_at_the_coordinator(tmp_path: Path):
     """Issue 24's deployment: eight sites (C1..C5 train; VAL, TEST, EXT hold validation, test and the
     external cohort), each prepared from and started with only its own image folder; the coordinator
-    checks the uploads, trains past_v2 over TLS + SuperNode authentication (site workers, fast polling),
+    checks the uploads, trains past_v2 over TLS + SuperNode authentication (the fast path: site workers),
     has the evaluation done at the sites and computes metrics and the bootstrap from what returns.
     Reference: the in-process pipeline (train, predict, metrics, bootstrap) on the union of the site
     manifests, i.e. the same images in the same splits: states, prediction files, every metrics
@@ -565,9 +552,9 @@ def test_deployment_sites_with_only_their_own_folders_prepare_train_evaluate_at_
     from fedhisto.bootstrap.stage import run_bootstrap
     from fedhisto.config.study import load_config
     from fedhisto.federation.coordinator import check_uploads
+    from fedhisto.federation.fastpath.worker import AUDIT_VAR
     from fedhisto.federation.localhost import LocalFederation, SiteSpec, wait_run_end
     from fedhisto.federation.prepare import prepare_site
-    from fedhisto.federation.worker import AUDIT_VAR
     from fedhisto.metrics.stage import run_metrics
     from fedhisto.predict.stage import run_predict
 
@@ -586,7 +573,8 @@ def test_deployment_sites_with_only_their_own_folders_prepare_train_evaluate_at_
 
     audits = tmp_path / "audits"
     audits.mkdir()
-    fed = LocalFederation(tmp_path / "fed", [SiteSpec(s, manifests[s], descriptors) for s in SITE_FOLDERS])
+    fed = LocalFederation(tmp_path / "fed", [SiteSpec(s, manifests[s], descriptors) for s in SITE_FOLDERS],
+                          fastpath=True)
     fed.env[AUDIT_VAR] = str(audits)
     out, preds, logs = coord / "train/past_v2/seed11", coord / "predictions/past_v2/seed11", coord / "serverapp"
     evaluate = ",".join([f"{c}:holdout" for c in clients] + ["TEST:test", "EXT:external"])
@@ -625,6 +613,10 @@ def test_deployment_sites_with_only_their_own_folders_prepare_train_evaluate_at_
     central_boot = run_bootstrap("self", [cext], [cext], ([11], [11]), bcfg, central / "bootstrap.json")
 
     assert_same_states(central / "train/checkpoint.pt", out / "checkpoint.pt")
+    history = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["history"]
+    tasks = {(site, info.get("worker-task")) for h in history for ph in h["phases"].values()
+             for site, info in ph["sites"].items()}
+    assert tasks == {(s, 1) for s in [*clients, "VAL"]}, tasks  # each task run by the site's worker (launcher)
     assert (central / "train/validation_predictions.csv").read_text() == (out / "validation_predictions.csv").read_text()
     for cohort in ("test", "holdout", "external"):
         assert (central / f"predictions/{cohort}.csv").read_text() == (preds / f"{cohort}.csv").read_text(), cohort
@@ -687,10 +679,14 @@ def test_a_site_whose_image_fails_to_decode_and_a_site_on_other_descriptors_are_
     assert json.loads((tmp_path / "run/status.json").read_text())["status"] == "finalised"
 
 
-def test_fedhisto_site_starts_the_worker_and_a_supernode_that_hands_it_its_tasks(tmp_path: Path, monkeypatch):
-    """``fedhisto site``: the worker gets the node config the SuperNode gets, ends with the command, and
-    the SuperNode goes through ``supernode_poll`` with ``--site-worker``; ``--no-worker`` is Flower's own."""
+def test_fedhisto_site_starts_stock_flower_and_with_fastpath_the_worker_and_a_supernode_that_hands_it_tasks(
+        tmp_path: Path, monkeypatch, capsys):
+    """``fedhisto site``: Flower's own ``flower-supernode`` alone by default (its node config names the
+    node cache and the site's report choice). ``--fastpath``: the worker gets the node config the
+    SuperNode gets, ends with the command, and the SuperNode goes through ``supernode_poll`` with
+    ``--site-worker``; on a Flower the fast path is not tested against, it is refused before any start."""
     import fedhisto.cli as cli
+    from fedhisto.federation.fastpath import supported
 
     started, ran = [], []
 
@@ -707,19 +703,30 @@ def test_fedhisto_site_starts_the_worker_and_a_supernode_that_hands_it_its_tasks
     monkeypatch.setattr("subprocess.Popen", FakePopen)
     monkeypatch.setattr(cli, "_exec", lambda cmd, env=None: ran.append(cmd) or 0)
     base = ["site", "--site", "C3", "--manifest", str(tmp_path / "m.csv"), "--insecure",
-            "--run-dir", str(tmp_path / "run"), "--flwr-home", str(tmp_path / "home")]
-    assert cli.main([*base, "--report", "counts"]) == 0
-    worker, supernode = started[0], ran[0]
-    assert worker[1:3] == ["-m", "fedhisto.federation.worker"] and started[1] == "terminated"
-    node_config = json.loads(worker[worker.index("--node-config") + 1])
-    assert node_config["worker"] == str((tmp_path / "run/worker.sock").resolve()) and node_config["report"] == "counts"
-    assert supernode[1:5] == ["-m", "fedhisto.federation.supernode_poll", "--site-worker", node_config["worker"]]
-    nc = supernode[supernode.index("--node-config") + 1]
-    assert f"worker='{node_config['worker']}'" in nc and "report='counts'" in nc
-    started.clear()
+            "--run-dir", str(tmp_path / "run"), "--flwr-home", str(tmp_path / "home"), "--report", "counts"]
+    assert cli.main(base) == 0
+    assert started == [] and Path(ran[0][0]).name == "flower-supernode" and "worker" not in " ".join(ran[0])
+    nc = ran[0][ran[0].index("--node-config") + 1]
+    assert f"cache-dir='{(tmp_path / 'run/cache').resolve()}'" in nc and "report='counts'" in nc
+    with pytest.raises(ValueError, match="--fastpath only"):
+        cli.main([*base, "--warm-config", str(tmp_path / "config.yaml")])
     ran.clear()
-    assert cli.main([*base, "--no-worker", "--no-fast-poll"]) == 0
-    assert started == [] and ran[0][0].endswith("flower-supernode") and "worker=" not in " ".join(ran[0])
+    if not supported():
+        capsys.readouterr()
+        assert cli.main([*base, "--fastpath"]) == 2
+        assert "fast path (fedhisto.federation.fastpath) modifies Flower's process model and is tested against " \
+               "flwr 1.42.x only" in capsys.readouterr().err
+        assert started == [] and ran == []
+        return
+    assert cli.main([*base, "--fastpath"]) == 0
+    worker, supernode = started[0], ran[0]
+    assert worker[1:3] == ["-m", "fedhisto.federation.fastpath.worker"] and started[1] == "terminated"
+    socket_path = worker[worker.index("--socket") + 1]
+    assert socket_path == str((tmp_path / "run/worker.sock").resolve())
+    node_config = json.loads(worker[worker.index("--node-config") + 1])
+    assert node_config["report"] == "counts" and node_config["cache-dir"] == str((tmp_path / "run/cache").resolve())
+    assert supernode[1:5] == ["-m", "fedhisto.federation.fastpath.supernode_poll", "--site-worker", socket_path]
+    assert supernode[supernode.index("--node-config") + 1] == nc  # the stock SuperNode's arguments, unchanged
 
 
 def test_a_batched_config_federates_as_the_sequential_engine_with_its_identity(prepared: dict, tmp_path: Path):

@@ -8,7 +8,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from fedhisto.infra.plotting import save_figure
-from fedhisto.report.stage import figures as report_figures
+from fedhisto.report import figures as report_figures
 from fedhisto.stats.prediction_files import MEMBER_COLUMN, PROB_COLUMNS, ensemble_members, write_predictions
 from fedhisto.stats.resampling import bootstrap_interval
 from fedhisto.stats.scores import classification_metrics, mean_over_models

@@ -1,4 +1,4 @@
-"""A site worker's warm-up (issue 24, cold start): the encoder, the site's images and the run's model are
+"""A site worker's warm-up (the fast path's site worker; issue 24, cold start): the encoder, the site's images and the run's model are
 loaded before the worker says ready; the messages after it build and decode nothing, and their
 replies are an unwarmed run's bit for bit. A restarted worker reads the encoder file and the decoded
 images from the node's cache instead of building or decoding."""
@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flower_support import SITES, LocalGrid, prepare
+from flower_support import SITES, LocalGrid, needs_fastpath, prepare
 
 import fedhisto.federation.site as site_mod
 from fedhisto.config.study import load_config_file
@@ -86,12 +86,14 @@ def test_messages_after_warm_up_build_nothing_and_equal_an_unwarmed_run(prepared
     assert_same_run(tmp_path / "cold", tmp_path / "warm")
 
 
+@needs_fastpath
 def test_warmed_site_workers_answer_bitwise_and_a_restarted_one_reads_its_node_cache(prepared: dict, tmp_path: Path):
     """Five worker processes warmed up at start (``worker --warm-config --warm-run``): every reply says
     its process built or decoded nothing after the warm-up, and the run is the in-process engine's bit
     for bit (the unwarmed workers' run is too: tests/test_flower.py). C1's worker restarted on the
     same cache reads the encoder file and the decoded images: it builds no encoder and decodes nothing."""
-    from fedhisto.federation.deploy import Procs, flower_env, worker_cmd
+    from fedhisto.federation.deploy import Procs, flower_env
+    from fedhisto.federation.fastpath.launch_commands import worker_cmd
     from fedhisto.train.stage import run_train
 
     procs = Procs(tmp_path / "logs", flower_env(tmp_path / "home"))
@@ -143,6 +145,7 @@ def test_warmed_site_workers_answer_bitwise_and_a_restarted_one_reads_its_node_c
     assert_same_run(tmp_path / "inproc", tmp_path / "flower")
 
 
+@needs_fastpath
 def test_fedhisto_site_hands_its_warm_up_to_the_worker_and_refuses_runs_without_a_config(tmp_path: Path, monkeypatch):
     import fedhisto.cli as cli
 
@@ -160,7 +163,7 @@ def test_fedhisto_site_hands_its_warm_up_to_the_worker_and_refuses_runs_without_
 
     monkeypatch.setattr("subprocess.Popen", FakePopen)
     monkeypatch.setattr(cli, "_exec", lambda cmd, env=None: 0)
-    base = ["site", "--site", "C1", "--manifest", str(tmp_path / "m.csv"), "--insecure",
+    base = ["site", "--site", "C1", "--manifest", str(tmp_path / "m.csv"), "--insecure", "--fastpath",
             "--run-dir", str(tmp_path / "run"), "--flwr-home", str(tmp_path / "home")]
     (tmp_path / "config.yaml").write_text("{}\n")
     assert cli.main([*base, "--warm-config", str(tmp_path / "config.yaml"), "--warm-splits", "optimisation,validation",
@@ -171,7 +174,7 @@ def test_fedhisto_site_hands_its_warm_up_to_the_worker_and_refuses_runs_without_
     assert [worker[i + 1] for i, a in enumerate(worker) if a == "--warm-run"] == ["past_v2:11", "fedavg_peft:12"]
     with pytest.raises(ValueError, match="site C1: warm runs"):
         cli.main([*base, "--warm-run", "past_v2:11"])
-    from fedhisto.federation.worker import parse_warm_run
+    from fedhisto.federation.fastpath.worker import parse_warm_run
 
     assert parse_warm_run("past_v2:11") == ("past_v2", 11)
     with pytest.raises(SystemExit, match="METHOD:SEED"):

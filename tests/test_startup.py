@@ -41,10 +41,11 @@ def test_the_flower_client_app_imports_no_unused_heavy_package():
 
 @pytest.mark.flower
 def test_the_per_message_processes_import_neither_torch_nor_what_they_do_not_use():
-    """Flower starts one process per message at every site: with a site worker, the ClientApp module
-    only forwards (no torch, no model code) and the launcher the SuperExec starts imports no Flower."""
+    """Flower starts one process per message at every site: the ClientApp module imports no torch and no
+    model code at load (the handler brings them when a message arrives), and the fast path's launcher
+    the SuperExec starts imports no Flower."""
     pytest.importorskip("flwr")
-    code = ("import json, sys\nimport fedhisto.federation.clientapp_launcher\n"
+    code = ("import json, sys\nimport fedhisto.federation.fastpath.clientapp_launcher\n"
             "launcher = sorted(m for m in ('flwr', 'torch', 'numpy') if m in sys.modules)\n"
             "import fedhisto.federation.client_app\n"
             "app = sorted(m for m in ('torch', 'peft', 'transformers', 'sklearn', 'fedhisto.model') if m in sys.modules)\n"

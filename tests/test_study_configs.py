@@ -154,15 +154,15 @@ def test_a_local_run_holds_each_job_to_the_hosts_memory_unless_the_user_sets_mem
     assert _train_mem_mb(proc.stdout + proc.stderr) == {5000}
 
 
-@pytest.mark.parametrize("where", ["docs/performance.md", "config/paper.yaml"])
+@pytest.mark.parametrize("where", ["docs/cluster.md", "config/paper.yaml"])
 def test_the_documented_study_commands_plan_the_study(where: str, roots_overlay: Path, snakemake_bin: str,
                                                       tmp_path: Path):
-    """The one-GPU command (docs/performance.md) and config/paper.yaml's own header command, as written, with
+    """The one-GPU command (docs/cluster.md) and config/paper.yaml's own header command, as written, with
     -n and the test-made roots laid last. (`all` stands before --configfile, which takes every name after it.)"""
     text = (REPO / where).read_text()
-    command = {"docs/performance.md": "snakemake --cores 8 all --resources gpu=1 --configfile config/paper.yaml",
+    command = {"docs/cluster.md": "snakemake --cores 8 all --resources gpu=1 --configfile config/paper.yaml",
                "config/paper.yaml": "snakemake --cores 8 all --configfile config/paper.yaml"}[where]
-    assert (f"```text\n{command}\n```" if where.endswith(".md") else f"# Run with: {command}\n") in text
+    assert (f"```bash\n{command}\n```" if where.endswith(".md") else f"# Run with: {command}\n") in text
     proc = _snakemake(snakemake_bin, tmp_path, "-n", *command.split()[1:], str(roots_overlay))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert _job_counts(proc.stdout + proc.stderr)["train_federated"] == 54

@@ -216,7 +216,7 @@ def test_external_cohort_options_at_their_defaults_keep_the_cohort_identity():
 
 
 def test_the_default_profile_sizes_its_evaluation_sets_to_resolve_three_hundredths(repo: Path):
-    """The embedded default's cohort (docs/pipeline.md, "Evaluation set sizes"): small's training pools and
+    """The embedded default's cohort (docs/getting-started.md, "Evaluation set sizes"): small's training pools and
     validation, the study's external size and mix, an internal test of 600; at the planning accuracies (the
     previous default's 0.886 internal, 0.839 external) one method's 95 % bootstrap half-width is <= 0.03,
     and at the old sizes it was about 0.10."""

@@ -7,7 +7,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 
-#: Fixed class order used everywhere (SPEC section 0).
+#: Fixed class order used everywhere (the study's: ACA, Normal, SCC).
 CLASSES: tuple[str, ...] = ("ACA", "Normal", "SCC")
 
 __all__ = ["CLASSES", "__version__"]

@@ -22,7 +22,7 @@ import logging
 
 from fedhisto.config.study import Config
 
-STUDY_MAX_ROUNDS = 50  # SPEC section 4: at most 50 rounds
+STUDY_MAX_ROUNDS = 50  # the study: at most 50 rounds
 STUDY_PATIENCE = 10  # early stop after 10 rounds without improvement
 
 TINY_SYNTHETIC = (

@@ -159,38 +159,50 @@ def _connection_env(deploy, args) -> dict:
 
 
 def _cmd_site(args: argparse.Namespace) -> int:
-    """The site's SuperNode and (default) its long-lived worker; the worker ends with this process."""
+    """The site's SuperNode, Flower's own; with ``--fastpath`` through ``supernode_poll`` and with the
+    site's long-lived worker, which ends with this process."""
     import os
     import subprocess
 
     deploy = _flower()
     run_dir = Path(args.run_dir or f".fedhisto-site/{args.site}").resolve()
-    worker = run_dir / "worker.sock" if args.worker else ""
-    cache = Path(args.cache_dir).resolve() if args.cache_dir else (run_dir / "cache" if args.worker else "")
+    cache = Path(args.cache_dir).resolve() if args.cache_dir else run_dir / "cache"
     env = deploy.flower_env(Path(args.flwr_home).resolve())
-    proc = None
-    if worker:
-        cmd = deploy.worker_cmd(worker, args.site, args.manifest, args.descriptors or "", args.encoder_dir or "",
-                                cache, args.threads, parent_pid=os.getpid(), report=args.report,
-                                warm_config=args.warm_config or "", warm_splits=tuple(args.warm_splits.split(",")),
-                                warm_runs=tuple(args.warm_run))
-        print("+", " ".join(cmd), file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, env=env)
-    cmd = deploy.supernode_cmd(args.superlink, args.site, args.manifest, args.descriptors or "", args.ca,
-                               args.auth_key, args.runtime_port, args.insecure, args.encoder_dir or "", args.threads,
-                               worker=worker, cache_dir=cache, fast_poll=args.fast_poll, report=args.report)
+    common = (args.superlink, args.site, args.manifest, args.descriptors or "", args.ca, args.auth_key,
+              args.runtime_port, args.insecure, args.encoder_dir or "", args.threads)
+    if not args.fastpath:
+        if args.warm_config or args.warm_run:
+            raise ValueError("--warm-config/--warm-run warm up the site worker, which runs with --fastpath only")
+        return _exec(deploy.supernode_cmd(*common, cache_dir=cache, report=args.report), env)
+    from fedhisto.federation.fastpath import launch_commands as commands
+
+    worker = run_dir / "worker.sock"
+    cmd = commands.worker_cmd(worker, args.site, args.manifest, args.descriptors or "", args.encoder_dir or "",
+                              cache, args.threads, parent_pid=os.getpid(), report=args.report,
+                              warm_config=args.warm_config or "", warm_splits=tuple(args.warm_splits.split(",")),
+                              warm_runs=tuple(args.warm_run))
+    supernode = commands.supernode_cmd(*common, worker=worker, cache_dir=cache, report=args.report)
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env)
     try:
-        return _exec(cmd, env)
+        return _exec(supernode, env)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        proc.terminate()
+        proc.wait(10)
 
 
 def _cmd_federate(args: argparse.Namespace) -> int:
     deploy = _flower()
     from fedhisto.federation import APP_DIR
 
+    app_dir = APP_DIR
+    if args.fastpath:
+        if args.simulation:
+            raise ValueError("--fastpath is a deployment's process model; the Simulation Engine has its own")
+        from fedhisto.federation.fastpath import APP_DIR as app_dir
+        from fedhisto.federation.fastpath import require
+
+        require()
     out = Path(args.out or f"results/train/{args.method}/seed{args.seed}").resolve()
     identity = args.dataset_identity or json.loads(Path(args.manifest_json).read_text())["dataset_identity"]
     rc = {"method": args.method, "seed": args.seed, "config": str(Path(args.config).resolve()),
@@ -209,7 +221,7 @@ def _cmd_federate(args: argparse.Namespace) -> int:
         env = deploy.flower_env(home)
     else:
         env = _connection_env(deploy, args)
-    cmd = [deploy.flower_bin("flwr"), "run", str(APP_DIR), "fedhisto", "--run-config", deploy.run_config_arg(rc),
+    cmd = [deploy.flower_bin("flwr"), "run", str(app_dir), "fedhisto", "--run-config", deploy.run_config_arg(rc),
            "--stream"]
     rc_ = _exec(cmd, env)
     status = out / "status.json"
@@ -310,14 +322,14 @@ def _federation_parsers(sub) -> None:
     p.add_argument("--runtime-port", type=int, default=9094, help="local port of the SuperNode (not exposed)")
     p.add_argument("--encoder-dir")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--no-worker", dest="worker", action="store_false",
-                   help="handle every message in Flower's per-message ClientApp process (slow: imports and "
-                        "decodes per message) instead of this site's long-lived worker")
-    p.add_argument("--no-fast-poll", dest="fast_poll", action="store_false",
-                   help="Flower's own SuperNode loop (idle poll 3 s) instead of the 0.2 s one")
-    p.add_argument("--run-dir", help="the worker's socket and the decoded-image cache (default .fedhisto-site/SITE)")
+    p.add_argument("--fastpath", action="store_true",
+                   help="modify Flower's process model (tested on flwr 1.42.x only): a long-lived site worker "
+                        "answers every message and the SuperNode polls every 0.2 s instead of 3 s "
+                        "(fedhisto.federation.fastpath)")
+    p.add_argument("--run-dir", help="the decoded-image cache and, with --fastpath, the worker's socket "
+                                     "(default .fedhisto-site/SITE)")
     p.add_argument("--cache-dir", help="node-local cache of decoded images (default RUN_DIR/cache)")
-    p.add_argument("--warm-config", help="the federation's config file: the worker loads the frozen encoder and "
+    p.add_argument("--warm-config", help="--fastpath: the federation's config file: the worker loads the frozen encoder and "
                                           "decodes this site's images before the first message (once per start)")
     p.add_argument("--warm-splits", default="optimisation",
                    help="comma list of splits the worker decodes at start (an evaluation site: "
@@ -349,6 +361,9 @@ def _federation_parsers(sub) -> None:
     p.add_argument("--round-timeout", type=float, default=900.0)
     p.add_argument("--out")
     p.add_argument("--simulation", action="store_true", help="Flower's Simulation Engine on this machine (Ray)")
+    p.add_argument("--fastpath", action="store_true",
+                   help="the fast path's Flower app (its ServerApp retries object pulls sooner); for sites "
+                        "started with fedhisto site --fastpath (tested on flwr 1.42.x only)")
     p.add_argument("--manifest", default="results/manifest/manifest.csv", help="--simulation: the sites' data")
     p.add_argument("--threads", type=int, default=2)
     connection(p)

@@ -13,7 +13,5 @@ rule account_communication:
         mem_mb=2000,
         runtime=10,
         gpu=0,
-    conda:
-        ENV
     script:
         "../../scripts/accounting.py"

@@ -23,7 +23,5 @@ rule bootstrap_comparison:
         mem_mb=4000,
         runtime=20,
         gpu=0,
-    conda:
-        ENV
     script:
         "../../scripts/bootstrap.py"

@@ -31,7 +31,5 @@ rule classify_folder:
         mem_mb=predict_mem_mb,
         runtime=predict_runtime,
         gpu=train_gpu,
-    conda:
-        ENV
     script:
         "../../scripts/classify.py"

@@ -20,7 +20,5 @@ rule audit_duplicates:
         runtime=120,
         gpu=0,
     priority: CRITICAL_PATH_PRIORITY
-    conda:
-        ENV
     script:
         "../../scripts/clearance.py"

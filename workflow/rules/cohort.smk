@@ -20,8 +20,6 @@ if CFG.cohort.mode == "synthetic":
             runtime=60,
             gpu=0,
         priority: CRITICAL_PATH_PRIORITY
-        conda:
-            ENV
         script:
             "../../scripts/cohort.py"
 
@@ -46,7 +44,5 @@ else:
             runtime=60,
             gpu=0,
         priority: CRITICAL_PATH_PRIORITY
-        conda:
-            ENV
         script:
             "../../scripts/cohort.py"

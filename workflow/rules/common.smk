@@ -7,7 +7,7 @@ from snakemake.utils import validate
 from fedhisto.bootstrap.stage import comparison_files
 from fedhisto.config.study import command_line_config
 from fedhisto.entry import study_config
-from fedhisto.experiments import layout as experiment_layout
+from fedhisto.experiments.dose_response import entry_resources as dose_entry_resources
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
 from fedhisto.methods import wildcard_pattern
 from fedhisto.realdata.listing import sources_inventory
@@ -35,7 +35,6 @@ else:
 validate(config, schema="../schemas/config.schema.json", set_default=False)
 CFG = study_config(config, source=CONFIG_SOURCE)
 
-ENV = "../../envs/fedhisto.yaml"
 # The embedded default's clearance (~500 images) takes one core, so that the tiny encoder's pretraining,
 # which needs no cohort, runs beside the cohort -> clearance -> manifest -> stain chain on a 2-core laptop.
 CLEARANCE_THREADS = 1 if CFG.cohort.mode == "synthetic" else 2
@@ -75,9 +74,10 @@ WARM_SCRIPTS = {"train.py", "predict.py", "pretrain.py", "stain.py", "accounting
 
 
 def start_warm_server(wf):
-    """Local runs only: cluster jobs run on other hosts under the scheduler's limits, conda jobs under
-    another interpreter; they all start cold, as does any job with FEDHISTO_WARM=0. A run with fewer than
-    three torch jobs to do skips it: the server's own imports cost about what three cold jobs' do."""
+    """Local runs only: cluster jobs run on other hosts under the scheduler's limits, jobs under a
+    software deployment method (--sdm) under another interpreter; they all start cold, as does any job
+    with FEDHISTO_WARM=0. A run with fewer than three torch jobs to do skips it: the server's own imports
+    cost about what three cold jobs' do."""
     if not (wf.local_exec and not wf.remote_exec and not wf.deployment_settings.deployment_method):
         return
     try:
@@ -195,7 +195,7 @@ def pretrain_inputs(wildcards):
 def encoder_gpu(encoder, wildcards):
     """A dose-response encoder entry asks for its own device; the built-in conditions, the main encoder's."""
     if CFG.experiments.dose_response.entry(encoder):
-        return experiment_layout.entry_resources(CFG, encoder)["gpu"]
+        return dose_entry_resources(CFG, encoder)["gpu"]
     return train_gpu(wildcards)
 
 
@@ -213,3 +213,29 @@ def classify_cohort_input(wildcards):
     """A folder of the pipeline's own cohort is made by the cohort stage; a site's folder is the user's."""
     folder = classify_images(wildcards)
     return cohort_outputs()[:1] if folder.startswith("results/cohort/") else []
+
+
+# ------------------------------------------------------------- experiments (workflow/rules/experiments.smk)
+# An experiment step's (fedhisto.experiments.framework.Step) inputs, outputs and resources as its rule takes them.
+STEP_RESOURCES = {
+    "train": {"mem_mb": train_mem_mb, "runtime": train_runtime, "gpu": train_gpu},
+    "predict": {"mem_mb": predict_mem_mb, "runtime": predict_runtime, "gpu": train_gpu},
+    "predict_encoder": {"mem_mb": predict_mem_mb, "runtime": predict_runtime,
+                        "gpu": lambda wildcards: encoder_gpu(wildcards.encoder, wildcards)},
+}
+
+
+def step_inputs(step):
+    return step.inputs if callable(step.inputs) else lambda wildcards: step.inputs
+
+
+def step_resource(step, key):
+    if isinstance(step.resources, str):
+        return STEP_RESOURCES[step.resources][key]
+    if callable(step.resources):
+        return lambda wildcards: step.resources(wildcards)[key]
+    return step.resources[key]
+
+
+def step_outputs(step):
+    return {k: directory(v) if k in step.directories else v for k, v in step.output.items()}

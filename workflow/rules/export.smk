@@ -21,7 +21,5 @@ rule export_model:
         mem_mb=predict_mem_mb,
         runtime=10,
         gpu=0,
-    conda:
-        ENV
     script:
         "../../scripts/export.py"

@@ -22,7 +22,5 @@ rule build_manifest:
         runtime=10,
         gpu=0,
     priority: CRITICAL_PATH_PRIORITY
-    conda:
-        ENV
     script:
         "../../scripts/manifest.py"

@@ -22,7 +22,5 @@ rule summarize_metrics:
         mem_mb=2000,
         runtime=10,
         gpu=0,
-    conda:
-        ENV
     script:
         "../../scripts/metrics.py"

@@ -35,8 +35,6 @@ for group_seeds, group_methods in seed_groups():
             mem_mb=predict_mem_mb,
             runtime=predict_method_runtime,
             gpu=train_gpu,
-        conda:
-            ENV
         script:
             "../../scripts/predict.py"
 
@@ -66,7 +64,5 @@ rule predict_cohorts_one_seed:
         mem_mb=predict_mem_mb,
         runtime=predict_runtime,
         gpu=train_gpu,
-    conda:
-        ENV
     script:
         "../../scripts/predict.py"

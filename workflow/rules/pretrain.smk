@@ -17,7 +17,5 @@ rule pretrain_encoder:
         mem_mb=3000,
         runtime=30,
         gpu=0,
-    conda:
-        ENV
     script:
         "../../scripts/pretrain.py"

@@ -35,7 +35,5 @@ rule make_report:
         mem_mb=2000,
         runtime=10,
         gpu=0,
-    conda:
-        ENV
     script:
         "../../scripts/report.py"

@@ -18,7 +18,5 @@ rule compute_stain_descriptors:
         runtime=20,
         gpu=0,
     priority: CRITICAL_PATH_PRIORITY
-    conda:
-        ENV
     script:
         "../../scripts/stain.py"

@@ -21,7 +21,5 @@ rule train_federated:
         mem_mb=train_mem_mb,
         runtime=train_runtime,
         gpu=train_gpu,
-    conda:
-        ENV
     script:
         "../../scripts/train.py"

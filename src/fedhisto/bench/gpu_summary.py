@@ -1,4 +1,4 @@
-"""What the GPU check (``benchmarks/gpu_check.sh``) measured, as a Markdown block for docs/performance.md,
+"""What the GPU check (``benchmarks/gpu_check.sh``) measured, as a Markdown block for docs/changelog.md,
 and the full-grid estimate: the study's 39 runs on one GPU.
 
 The grid (study sections 2 and 7): the five principal methods and FedStain on seeds 11-55 (30 runs),
@@ -112,7 +112,7 @@ def _bench_table(bench: Any) -> list[str]:
 
 
 def markdown(out: Path) -> str:
-    """The block for docs/performance.md from the JSON files gpu_check.sh left in ``out``."""
+    """The block for docs/changelog.md from the JSON files gpu_check.sh left in ``out``."""
     def load(name: str) -> Any:
         path = out / name
         return json.loads(path.read_text()) if path.exists() else None

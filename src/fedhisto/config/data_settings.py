@@ -118,7 +118,7 @@ class ClearanceConfig(Strict):
     link_min_inliers: int | None = Field(
         5, ge=4, description="second pass (null: off): link two detected families when their closest members "
                              "nearly verify, i.e. reach this many inliers at a plausible scale "
-                             "(5 x 3 chosen by measurement: docs/clearance_benchmark.md)")
+                             "(5 x 3 chosen by measurement: docs/data.md)")
     link_min_pairs: int = Field(3, ge=1, description="second pass: near-miss cross pairs, between distinct pictures, "
                                                      "that link two families (a cross pair verifying outright always "
                                                      "links)")
@@ -128,7 +128,7 @@ class ClearanceConfig(Strict):
         description="candidate source for relatives at another zoom: visual words of each image's central crop "
                     "zoomed by these factors (each in (1, 2.5]) are compared with the other images' words; "
                     "[] (default): off. The study config uses [1.6] for LC25000's crop-and-zoom, whose "
-                    "relatives are up to ~1.9x apart (docs/clearance_benchmark.md)")
+                    "relatives are up to ~1.9x apart (docs/data.md)")
 
     @model_validator(mode="after")
     def _zoom_views_in_range(self) -> ClearanceConfig:

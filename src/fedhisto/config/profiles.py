@@ -60,7 +60,7 @@ PROFILES: dict[str, CohortProfile] = {
     ),
     # The embedded default: "small"'s client pools and validation (training costs what it did), with
     # evaluation sets large enough that one method's macro-F1 has a 95 % image-bootstrap interval of at
-    # most about +/-0.03 (docs/pipeline.md, "Evaluation set sizes"): an internal test of 600 images and
+    # most about +/-0.03 (docs/getting-started.md, "Evaluation set sizes"): an internal test of 600 images and
     # the external cohort at the study's size and mix (LungHist700: 280 ACA / 151 Normal / 260 SCC).
     "small_eval": CohortProfile(
         clients={"C1": (12, 11, 14), "C2": (22, 20, 4), "C3": (9, 9, 16),

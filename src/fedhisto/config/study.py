@@ -1,7 +1,7 @@
 """Typed configuration: one strict model per pipeline stage.
 
 Every block rejects unknown keys (``extra="forbid"``) and every error names the dotted key,
-the offending value and what is allowed. Defaults are the study's numbers (``SPEC.md``);
+the offending value and what is allowed. Defaults are the study's numbers;
 ``config/config.yaml`` overrides them for the small embedded default.
 
 The JSON schema in ``workflow/schemas/config.schema.json`` is generated from these models
@@ -13,10 +13,18 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+    create_model,
+    model_validator,
+)
 
 from fedhisto import CLASSES
 from fedhisto.config.classify_settings import ClassifyConfig
@@ -35,7 +43,6 @@ from fedhisto.config.data_settings import (  # noqa: F401 (re-exported: every st
     SyntheticCohort,
     ViewsConfig,
 )
-from fedhisto.config.experiment_settings import ExperimentsConfig
 from fedhisto.config.model_settings import EncoderConfig, ModelConfig, PretrainConfig  # noqa: F401 (re-exported)
 from fedhisto.config.privacy_settings import PrivacyConfig
 from fedhisto.config.readings import ReadingsConfig
@@ -151,6 +158,27 @@ class BootstrapConfig(Strict):
     comparisons: dict[str, Comparison] = Field(default_factory=_paper_comparisons)
 
 
+# ---------------------------------------------------------------- experiments
+def _experiments(value: Any) -> Any:
+    """``experiments:`` validated by the experiment registry's model (shared settings plus one block per
+    registered experiment, :mod:`fedhisto.registries.experiment_registry`). Built on first use, not at import: the
+    experiment modules import this module."""
+    from fedhisto.registries.experiment_registry import experiments_settings
+
+    return experiments_settings(value)
+
+
+def _default_experiments() -> Any:
+    return _experiments({})
+
+
+#: The type of ``Config.experiments``. The JSON schema leaves the block open (an object): adding an experiment
+#: changes no file but its own module and registration line; the typed model checks every key.
+Experiments = Annotated[Any, PlainValidator(_experiments), WithJsonSchema({
+    "type": "object", "description": "controlled experiments: shared settings and one block per registered "
+                                     "experiment (fedhisto.registries.experiment_registry), checked by its settings class"})]
+
+
 # --------------------------------------------------------------------- root
 class Config(Strict):
     classes: tuple[ClassName, ClassName, ClassName] = CLASSES  # type: ignore[assignment]
@@ -163,7 +191,7 @@ class Config(Strict):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
-    experiments: ExperimentsConfig = ExperimentsConfig()
+    experiments: Experiments = Field(default_factory=_default_experiments)
     privacy: PrivacyConfig = PrivacyConfig()
     classify: ClassifyConfig = ClassifyConfig()
 

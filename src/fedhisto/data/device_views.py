@@ -1,7 +1,7 @@
 """Training views rendered on the device from uint8 images kept there (issue 14, "study-scale speed").
 
 The host path (``fedhisto.data.views.training_views``) makes every view with numpy/OpenCV, one image at a
-time, which bounds a GPU step by the host (docs/performance.md). Here the split's images are decoded
+time, which bounds a GPU step by the host (docs/changelog.md). Here the split's images are decoded
 once and stored on the device as uint8 (``DeviceImages``); per step the host only draws parameters
 (``draw_views``: a dozen numbers per image, no pixels) and ``render_views`` makes every view of the
 batch with batched tensor ops, without ``.item()`` or any other device-to-host read.

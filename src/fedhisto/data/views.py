@@ -1,4 +1,4 @@
-"""Training views and evaluation transform (study section 3.4, SPEC section 4).
+"""Training views and evaluation transform (study section 3.4).
 
 Paired stain-counterfactual views share one geometry (RandomResizedCrop 224 with scale
 0.85-1.00 and ratio 0.90-1.10, horizontal flip p 0.5, vertical flip p 0.2, rotation

@@ -11,32 +11,72 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import numpy as np
+from pydantic import Field
 
 from fedhisto.config.study import Config
+from fedhisto.experiments.framework import Experiment, Step, summary_dir, summary_files, warm
+from fedhisto.experiments.layout import experiment_block
 from fedhisto.infra.atomic import write_csv, write_json
-from fedhisto.infra.plotting import legend_outside, plot_reliability, save_figure
 from fedhisto.infra.provenance import provenance_block, sidecar_path
-from fedhisto.stats.ensemble_intervals import interval
-from fedhisto.stats.prediction_files import read_predictions
-from fedhisto.stats.temperature import (
-    apply_temperature,
-    calibration_measures,
-    fit_temperature,
-    reliability_bins,
-)
+from fedhisto.infra.settings_base import Strict
 
 STAGE = "experiments"
 COHORTS = ("test", "external")
 SCORES = ("nll", "brier", "ece")
 
 
+if TYPE_CHECKING:
+    import numpy as np
+
+NAME = "calibration"
+
+
+class CalibrationConfig(Strict):
+    """Temperature scaling fitted per checkpoint on its validation predictions."""
+
+    bins: int = Field(15, ge=2, description="reliability-diagram and ECE bins")
+
+
+def calibration_runs(cfg: Config) -> list[tuple[str, int]]:
+    x = cfg.experiments
+    return [(m, s) for m in x.methods for s in x.seeds]
+
+
+def calibration_inputs(cfg: Config) -> list[tuple[str, int, str, str, str]]:
+    """(method, seed, validation, test, external predictions); the training stage writes the
+    validation predictions beside status.json."""
+    return [(m, s, f"results/train/{m}/seed{s}/validation_predictions.csv", f"results/predictions/{m}/seed{s}/test.csv",
+             f"results/predictions/{m}/seed{s}/external.csv") for m, s in calibration_runs(cfg)]
+
+
+def calibration_files(cfg: Config) -> list[str]:
+    """The rule's inputs: each run's status (its validation predictions are not a declared output) and predictions."""
+    return [p for m, s, _val, test, ext in calibration_inputs(cfg) for p in (f"results/train/{m}/seed{s}/status.json",
+                                                                          test, ext)]
+
+
+def _summarise(smk, cfg: Config) -> None:
+    warm(smk, "fedhisto.experiments.calibration:summarise_calibration", [tuple(r) for r in smk.params.runs], cfg,
+         summary_dir(smk))
+
+
+class Calibration(Experiment):
+    name = NAME
+    settings = CalibrationConfig
+
+    def steps(self, cfg: Config) -> list[Step]:
+        return [Step("calibrate_checkpoints", summary_files(NAME), _summarise, inputs={"runs": calibration_files(cfg)},
+                     params={"runs": [list(r) for r in calibration_inputs(cfg)], "block": experiment_block(cfg, NAME)})]
+
+
+# ------------------------------------------------------------------ analysis
 def _single(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
+    import numpy as np
+
+    from fedhisto.stats.prediction_files import read_predictions
+
     sidecar = sidecar_path(path)
     if sidecar.exists() and "temperatures" in json.loads(sidecar.read_text()):
         raise ValueError(f"{path}: already temperature-scaled (evaluate.temperature_scaling: true); the calibration "
@@ -51,6 +91,16 @@ def _single(path: str | Path) -> tuple[list[str], np.ndarray, np.ndarray]:
 
 def summarise_calibration(runs: list[tuple[str, int, str, str, str]], cfg: Config, out_dir: str | Path) -> dict:
     """``runs``: (method, seed, validation CSV, test CSV, external CSV) of the main pipeline's runs."""
+    import numpy as np
+
+    from fedhisto.stats.ensemble_intervals import interval
+    from fedhisto.stats.temperature import (
+        apply_temperature,
+        calibration_measures,
+        fit_temperature,
+        reliability_bins,
+    )
+
     x = cfg.experiments
     bins = x.calibration.bins
     per_run, per_method, diagrams = [], [], {}
@@ -107,6 +157,13 @@ def summarise_calibration(runs: list[tuple[str, int, str, str, str]], cfg: Confi
 
 
 def _figure(diagrams: dict, bins: int, path: Path) -> None:
+    from fedhisto.infra.plotting import (  # plotting: only when drawing
+        legend_outside,
+        plot_reliability,
+        plt,
+        save_figure,
+    )
+
     methods = sorted({m for m, _ in diagrams})
     fig, axes = plt.subplots(len(COHORTS), len(methods), figsize=(3.3 * len(methods) + 3.2, 3.4 * len(COHORTS)),
                              squeeze=False, sharex=True, sharey=True)

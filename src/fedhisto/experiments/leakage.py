@@ -10,25 +10,97 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Literal
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import numpy as np
+from pydantic import Field, model_validator
 
 from fedhisto.config.study import Config
+from fedhisto.experiments.framework import ROOT, Experiment, Step, summary_dir, summary_files, warm
+from fedhisto.experiments.layout import experiment_block, main_inputs, run_dir
 from fedhisto.infra.atomic import write_csv, write_json
-from fedhisto.infra.plotting import legend_outside, plot_bars_with_ci, save_figure
 from fedhisto.infra.provenance import provenance_block
-from fedhisto.stats.ensemble_intervals import difference, metric_replicates, summarise
-from fedhisto.stats.prediction_files import ensemble
+from fedhisto.infra.settings_base import Strict
+from fedhisto.registries.method_registry import Method
 
 STAGE = "experiments"
 LEAKY = "ignore_families"
 METRICS = ("macro_f1", "balanced_accuracy")
 
 
+NAME = "leakage"
+FamilyPolicy = Literal["ignore_families", "representatives", "whole_families"]
+
+
+class LeakageConfig(Strict):
+    """The same methods and seeds on splits that ignore, thin or keep augmentation families."""
+
+    policies: list[FamilyPolicy] = Field(
+        default_factory=lambda: ["ignore_families", "representatives", "whole_families"], min_length=2)
+    methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "past_v2"], min_length=1)
+
+    @model_validator(mode="after")
+    def _has_leaky_and_clean(self) -> LeakageConfig:
+        if "ignore_families" not in self.policies or len(self.policies) < 2:
+            raise ValueError("experiments.leakage.policies needs 'ignore_families' and at least one clean policy")
+        return self
+
+
+def leakage_runs(cfg: Config) -> list[tuple[str, str, int]]:
+    x = cfg.experiments
+    return [(f"leakage/{p}", m, s) for p in x.leakage.policies for m in x.leakage.methods for s in x.seeds]
+
+
+def leakage_manifest(cfg: Config, policy: str) -> str:
+    return "results/manifest/manifest.csv" if policy == cfg.clearance.family_policy \
+        else f"{ROOT}/leakage/{policy}/manifest/manifest.csv"
+
+
+def leakage_predictions(cfg: Config) -> list[tuple[str, str, int, str]]:
+    """(policy, method, seed, internal test predictions)."""
+    return [(c.split("/")[1], m, s, f"{run_dir(cfg, c, 'predictions', m, s)}/test.csv")
+            for c, m, s in leakage_runs(cfg)]
+
+
+def _summarise(smk, cfg: Config) -> None:
+    warm(smk, "fedhisto.experiments.leakage:summarise_leakage", [tuple(r) for r in smk.params.runs],
+         dict(smk.params.manifests), cfg, summary_dir(smk))
+
+
+class Leakage(Experiment):
+    name = NAME
+    settings = LeakageConfig
+
+    def is_main(self, cfg: Config, condition: str) -> bool:
+        return condition == f"leakage/{cfg.clearance.family_policy}"
+
+    def conditions(self, cfg: Config) -> list[str]:
+        return [f"leakage/{p}" for p in cfg.experiments.leakage.policies if not self.is_main(cfg, f"leakage/{p}")]
+
+    def condition_inputs(self, cfg: Config, condition: str) -> dict[str, str | list[str]]:
+        # its own stain descriptors: the pools differ
+        folder = f"{ROOT}/{condition}"
+        return {**main_inputs(cfg), "manifest": f"{folder}/manifest/manifest.csv",
+                "identity": f"{folder}/manifest/manifest.json", "descriptors": f"{folder}/stain/descriptors.json"}
+
+    def manifest_inputs(self, cfg: Config, condition: str) -> dict[str, str]:
+        return {"sources": "results/cohort/sources.csv", "families": "results/clearance/families.csv",
+                "edges": "results/clearance/edges.csv"}
+
+    def build_manifest(self, cfg: Config, condition: str, smk) -> None:
+        from fedhisto.experiments.conditions import policy_manifest
+
+        policy_manifest(smk.input.sources, smk.input.families, smk.input.edges, cfg, condition.split("/")[1],
+                        Path(smk.output.manifest).parent)
+
+    def steps(self, cfg: Config) -> list[Step]:
+        runs, policies = leakage_predictions(cfg), cfg.experiments.leakage.policies
+        return [Step("summarize_leakage", summary_files(NAME), _summarise,
+                     inputs={"manifests": [leakage_manifest(cfg, p) for p in policies], "predictions": [r[3] for r in runs]},
+                     params={"runs": [list(r) for r in runs], "manifests": {p: leakage_manifest(cfg, p) for p in policies},
+                             "block": experiment_block(cfg, NAME)})]
+
+
+# ------------------------------------------------------------------ analysis
 def relatives_in_training(manifest_csv: str | Path) -> set[str]:
     """Test images whose augmentation family also has a member in a client's optimisation or holdout set."""
     with Path(manifest_csv).open() as fh:
@@ -40,6 +112,11 @@ def relatives_in_training(manifest_csv: str | Path) -> set[str]:
 def summarise_leakage(runs: list[tuple[str, str, int, str]], manifests: dict[str, str], cfg: Config,
                       out_dir: str | Path) -> dict:
     """``runs``: (policy, method, seed, test-predictions CSV); ``manifests``: policy -> manifest.csv."""
+    import numpy as np
+
+    from fedhisto.stats.ensemble_intervals import difference, metric_replicates, summarise
+    from fedhisto.stats.prediction_files import ensemble
+
     x = cfg.experiments
     policies, methods = list(x.leakage.policies), list(x.leakage.methods)
     rows, inflation, subsets = [], [], []
@@ -81,6 +158,13 @@ def summarise_leakage(runs: list[tuple[str, str, int, str]], manifests: dict[str
 
 
 def _figure(rows: list[dict], inflation: list[dict], policies: list[str], methods: list[str], path: Path) -> None:
+    from fedhisto.infra.plotting import (  # plotting: only when drawing
+        legend_outside,
+        plot_bars_with_ci,
+        plt,
+        save_figure,
+    )
+
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12.5, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     width = 0.8 / len(methods)
     for j, method in enumerate(methods):

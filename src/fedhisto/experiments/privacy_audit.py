@@ -23,142 +23,127 @@ trainings per condition); it is not run here (``audit.lira_scores`` is there for
 from __future__ import annotations
 
 import json
-import logging
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-import numpy as np
-import torch
+from pydantic import Field, model_validator
 
+from fedhisto.config.stage_blocks import stage_block
 from fedhisto.config.study import Config
-from fedhisto.data.splits import Split, load_partitions
-from fedhisto.data.views import eval_view
-from fedhisto.experiments.layout import privacy_audit_block, privacy_audit_config
+from fedhisto.experiments.framework import (
+    ROOT,
+    Experiment,
+    Step,
+    alternatives,
+    encoder_dir,
+    summary_dir,
+    summary_files,
+    warm,
+)
+from fedhisto.experiments.layout import main_inputs
 from fedhisto.infra.atomic import write_csv, write_json
 from fedhisto.infra.provenance import provenance_block, write_sidecar
-from fedhisto.methods import build_method
-from fedhisto.model.build import build_model, pick_device
-from fedhisto.privacy.attack import CanarySplit, loss_difference_scores, select_canaries
-from fedhisto.privacy.audit import audit_summary
-from fedhisto.stats.scores import macro_f1
-from fedhisto.train.inference import predict
-from fedhisto.train.loop import run_rounds
-from fedhisto.train.participants import InProcess
-from fedhisto.train.stage import descriptors_for, manifest_families, run_identity
+from fedhisto.infra.settings_base import Strict
+from fedhisto.registries.method_registry import Method
 
-log = logging.getLogger(__name__)
 NAME = "privacy_audit"
 STAGE = "experiments"  # the Snakemake stage (rule file, script, results/experiments/) every experiment belongs to
+ClientName = Literal["C1", "C2", "C3", "C4", "C5"]
 
 
-@dataclass
-class Recording(InProcess):
-    """The in-process participants, recording what the coordinator sees of each audited site every round."""
+class PrivacyAuditConfig(Strict):
+    """Membership-inference audit of one site's returned adapters, without DP and at several DP noise levels
+    (docs/experiments.md, docs/privacy.md). The other DP settings of the audited runs are these, not
+    ``privacy:`` (which configures the main runs)."""
 
-    audited: tuple[str, ...] = ()
-    seen: dict[str, list[tuple[dict, dict]]] = field(default_factory=dict)   # site -> [(global start, returned)]
+    methods: list[Method] = Field(default_factory=lambda: ["fedavg_peft", "past_v2", "ffa_lora"], min_length=1,
+                                  description="audited methods (v2 under DP releases noised prototypes; ffa_lora "
+                                              "trains and noises B only, A frozen at its shared initialisation)")
+    noise_multipliers: list[float] = Field(default_factory=lambda: [0.6, 1.0, 2.0], min_length=1,
+                                           description="DP conditions, beside the non-private one")
+    sites: list[ClientName] = Field(default_factory=lambda: ["C1", "C2", "C3", "C4", "C5"], min_length=1,
+                                    description="audited sites: each has its canaries, scored on its returned states")
+    canaries_per_side: int = Field(8, ge=2, description="per audited site: members and as many non-members, "
+                                                        "one per family")
+    rounds: int = Field(2, ge=1, description="rounds of each audited federation")
+    seed: int = Field(11, description="run seed of the audited federations and of the canary draw")
+    sample_rate: float = Field(0.1, gt=0, le=1, description="q of the DP conditions")
+    clip_norm: float = Field(1.0, gt=0, description="C of the DP conditions")
+    delta: float = Field(1e-4, gt=0, lt=1, description="delta of the reported epsilons (below 1 / the site's units)")
 
-    def train(self, r, starts, payloads):
-        results, lost = super().train(r, starts, payloads)
-        for site in self.audited:
-            if site in results:
-                self.seen.setdefault(site, []).append(({k: v.clone() for k, v in starts[site].items()},
-                                                       {k: v.clone() for k, v in results[site].state.items()}))
-        return results, lost
+    @model_validator(mode="after")
+    def _distinct(self) -> PrivacyAuditConfig:
+        if sorted(set(self.noise_multipliers)) != sorted(self.noise_multipliers) or min(self.noise_multipliers) <= 0:
+            raise ValueError(f"noise_multipliers must be distinct and > 0 (got {self.noise_multipliers})")
+        return self
 
 
-def _eval_pixels(split: Split, ids: list[str], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    where = {i: k for k, i in enumerate(split.ids)}
-    return (torch.stack([eval_view(split.images[where[i]], cfg.views) for i in ids]),
-            torch.tensor([split.labels[where[i]] for i in ids]))
+def privacy_audit_conditions(cfg: Config) -> list[str]:
+    """The audit's conditions: ``nonprivate`` and ``sigma<noise multiplier>`` (``experiments.privacy_audit``)."""
+    return ["nonprivate", *(f"sigma{s:g}" for s in cfg.experiments.privacy_audit.noise_multipliers)]
 
 
-def canary_splits(cfg: Config, parts: dict[str, Split], families: dict[str, str]) -> dict[str, CanarySplit]:
-    """Each audited site's canaries, from a stream of (audit seed, 25, site index): the same in every condition."""
+def privacy_audit_files(cfg: Config) -> list[str]:
+    return [f"{ROOT}/privacy_audit/{c}/audit.json" for c in privacy_audit_conditions(cfg)]
+
+
+def privacy_audit_config(cfg: Config, condition: str, method: str) -> Config:
+    """The config of one audited federation: the main one with the audit's rounds and seed, the sequential
+    engine, one method, and (a ``sigma<v>`` condition) DP-SGD at noise multiplier v with the audit's q, C,
+    delta, noised prototypes and a secret noise seed."""
+    from fedhisto.config.study import load_config
+
     a = cfg.experiments.privacy_audit
-    return {site: select_canaries(parts[site].ids, families, a.canaries_per_side,
-                                  np.random.default_rng([a.seed, 25, int(site[1:])])) for site in a.sites}
+    raw = json.loads(cfg.model_dump_json())
+    raw["train"].update(methods=[method], ablations=[], ablation_seeds=[], comparator_seeds=None, seeds=[a.seed],
+                        max_rounds=a.rounds, patience=a.rounds, engine="sequential")
+    raw["bootstrap"]["comparisons"] = {}
+    if condition == "nonprivate":
+        raw["privacy"] = {"enabled": False}
+    elif condition in privacy_audit_conditions(cfg):
+        raw["privacy"] = {"enabled": True, "noise_multiplier": float(condition.removeprefix("sigma")),
+                          "clip_norm": a.clip_norm, "sample_rate": a.sample_rate, "delta": a.delta,
+                          "prototypes": "noised", "noise_seed": "secret"}
+    else:
+        raise ValueError(f"unknown privacy_audit condition {condition!r} (conditions: {privacy_audit_conditions(cfg)})")
+    return load_config(raw)
 
 
-def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: str | Path, identity_json: str | Path,
-                 descriptors_json: str | Path, out_dir: Path, encoder_dir: str | None = None) -> dict:
-    """One (condition, method): train with every audited site's canary split, score the canaries of each site
-    under that site's returned states, pool the sites' scores, measure utility."""
-    a = cfg.experiments.privacy_audit
-    c = privacy_audit_config(cfg, condition, method_name)
-    device = pick_device()
-    method = build_method(method_name, c)
-    parts = load_partitions(manifest_csv, c.views.crop_size)
-    families = manifest_families(manifest_csv)
-    splits = canary_splits(cfg, parts, families)
-    clients = {k: parts[k] for k in sorted(parts) if ":" not in k and k.startswith("C")}
-    for site, split in splits.items():
-        withheld = set(split.withheld)
-        keep = [k for k, i in enumerate(parts[site].ids) if i not in withheld]
-        clients[site] = Split([parts[site].ids[k] for k in keep], [parts[site].labels[k] for k in keep],
-                              [parts[site].images[k] for k in keep])
-    clients = method.participants(clients)
-    descriptors = descriptors_for(method, descriptors_json, sorted(clients))
-    dataset_identity = json.loads(Path(identity_json).read_text())["dataset_identity"]
-    identity = run_identity(c, method, a.seed, f"{dataset_identity}+canaries", descriptors, encoder_dir)
-    model = build_model(c, method, a.seed, encoder_dir).to(device)
-    private = None
-    if c.privacy.enabled:
-        from fedhisto.train.private import PrivateSites
-
-        private = PrivateSites.start(c, method, clients, families, a.seed)
-    recorder = Recording(model=model, method=method, clients=clients, validation=parts["validation"],
-                         descriptors=descriptors, cfg=c, seed=a.seed, device=device, private=private,
-                         audited=tuple(a.sites))
-    work = out_dir / condition / method_name
-    work.mkdir(parents=True, exist_ok=True)
-    checkpoint = work / "checkpoint.pt"
-    checkpoint.unlink(missing_ok=True)  # the recorded updates live in memory: always a whole run
-    ckpt = run_rounds(method, recorder, model, c, identity, checkpoint)
-    checkpoint.unlink(missing_ok=True)
-
-    rows, member, nonmember = [], [], []
-    for site, split in splits.items():
-        ids = [*split.members, *split.nonmembers]
-        pixels, labels = _eval_pixels(parts[site], ids, c)
-        desc = descriptors[site].to(device)[None] if descriptors[site] is not None else None
-        scores = np.zeros(len(ids))
-        for start, returned in recorder.seen.get(site, []):
-            scores += loss_difference_scores(model, start, returned, pixels.to(device), labels.to(device), desc)
-        member += list(scores[: len(split.members)])
-        nonmember += list(scores[len(split.members):])
-        rows += [{"site": site, "canary": i, "member": k < len(split.members), "score": float(v)}
-                 for k, (i, v) in enumerate(zip(ids, scores, strict=True))]
-    write_csv(work / "scores.csv", rows)
-    stats = audit_summary(np.array(member), np.array(nonmember), delta=a.delta, resamples=cfg.experiments.resamples,
-                          seed=cfg.experiments.bootstrap_seed)
-    utility = {}
-    model.load_trainable_state(ckpt["best"]["members"]["global"])
-    for cohort in ("test", "external"):
-        probs = predict(model, parts[cohort], descriptors["global"], c, device)
-        utility[cohort] = macro_f1(parts[cohort].labels, probs.argmax(1).numpy())
-    eps = private.epsilons() if private is not None else None
-    return {"condition": condition, "method": method_name, "rounds": ckpt["round"], "audited_sites": list(a.sites),
-            "noise_multiplier": c.privacy.noise_multiplier if c.privacy.enabled else 0.0,
-            "epsilon": max(eps[s] for s in a.sites) if eps else None, "epsilon_per_site": eps,
-            "delta": a.delta, "stopped_by_budget": private.stop_reason if private is not None else None,
-            "internal_macro_f1": utility["test"], "external_macro_f1": utility["external"],
-            "canaries": {s: {"members": sp.members, "nonmembers": sp.nonmembers, "withheld": len(sp.withheld)}
-                         for s, sp in splits.items()},
-            "attack": stats}
+def privacy_audit_block(cfg: Config, condition: str | None = None) -> dict:
+    """What a condition's audit (or, condition None, the summary) depends on beyond its input files."""
+    x = cfg.experiments
+    block = {"experiment": "privacy_audit", "privacy_audit": x.privacy_audit.model_dump(mode="json"),
+             "resamples": x.resamples, "bootstrap_seed": x.bootstrap_seed}
+    if condition is not None:
+        block.update(condition=condition, train={
+            m: stage_block(privacy_audit_config(cfg, condition, m), "train", method=m, seed=x.privacy_audit.seed)
+            for m in x.privacy_audit.methods})
+    return block
 
 
-def run_condition(cfg: Config, condition: str, manifest_csv, identity_json, descriptors_json, out_json: str | Path,
-                  encoder_dir: str | None = None, threads: int = 1) -> dict:
-    """Every audited method under one condition; ``<condition>/audit.json``."""
-    torch.set_num_threads(max(threads, 1))
-    out = Path(out_json)
-    results = [audit_method(cfg, condition, m, manifest_csv, identity_json, descriptors_json, out.parent.parent,
-                            encoder_dir) for m in cfg.experiments.privacy_audit.methods]
-    prov = provenance_block(STAGE, privacy_audit_block(cfg, condition), {"manifest": manifest_csv, "descriptors": descriptors_json})
-    doc = {"condition": condition, "results": results, "provenance": prov}
-    write_json(out, doc)
-    return doc
+def _audit(smk, cfg: Config) -> None:
+    warm(smk, "fedhisto.experiments.privacy_audit_runs:run_condition", cfg, smk.wildcards.audit, smk.input.manifest,
+         smk.input.identity, smk.input.descriptors, smk.output.json, encoder_dir=encoder_dir(smk), threads=smk.threads)
+
+
+def _summarise(smk, cfg: Config) -> None:
+    warm(smk, "fedhisto.experiments.privacy_audit:summarise_privacy_audit", list(smk.input.audits), cfg,
+         summary_dir(smk))
+
+
+class PrivacyAudit(Experiment):
+    name = NAME
+    settings = PrivacyAuditConfig
+
+    def steps(self, cfg: Config) -> list[Step]:
+        # one condition of the membership audit: the audited federations with canaries, their attack scores;
+        # they retrain on the main manifest, descriptors and encoder
+        return [Step("audit_privacy_condition", {"json": f"{ROOT}/privacy_audit/{{audit}}/audit.json"}, _audit,
+                     inputs=main_inputs(cfg), log="logs/experiments/privacy_audit/{audit}.log",
+                     params={"block": lambda w: privacy_audit_block(cfg, w.audit)}, resources="train",
+                     wildcard_constraints={"audit": alternatives(privacy_audit_conditions(cfg))}),
+                Step("summarize_privacy_audit", summary_files(NAME), _summarise,
+                     inputs={"audits": privacy_audit_files(cfg)}, params={"block": lambda w: privacy_audit_block(cfg)})]
 
 
 def summarise_privacy_audit(condition_jsons: list[str | Path], cfg: Config, out_dir: str | Path) -> dict:

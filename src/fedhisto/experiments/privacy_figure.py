@@ -34,7 +34,8 @@ def _label(rows: list[dict], condition: str) -> str:
     return f"sigma {float(r['noise_multiplier']):g}\neps {eps}"
 
 
-def privacy_utility_figure(rows: list[dict], path: str | Path) -> None:
+def privacy_utility_figure(rows: list[dict], path: str | Path) -> list[str]:
+    """Draw the figure; returns the legend labels of both panels (one set per method in the rows)."""
     conditions = _order(rows)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     x = np.arange(len(conditions))
@@ -67,4 +68,6 @@ def privacy_utility_figure(rows: list[dict], path: str | Path) -> None:
     cx.set_ylim(bottom=0)
     handles = bx.get_legend_handles_labels()[0] + cx.get_legend_handles_labels()[0]
     bx.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper left")
+    drawn = ax.get_legend_handles_labels()[1] + [h.get_label() for h in handles]
     save_figure(fig, path)
+    return drawn

@@ -20,38 +20,89 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import numpy as np
-import torch
+from pydantic import Field
 
 from fedhisto.config.study import Config
-from fedhisto.experiments.layout import condition_config
-from fedhisto.infra.atomic import write_csv, write_json
-from fedhisto.infra.plotting import legend_outside, plot_bars_with_ci, save_figure
-from fedhisto.infra.provenance import provenance_block, write_sidecar
-from fedhisto.infra.settings_base import identity_dump
-from fedhisto.model.encoder import load_encoder
-from fedhisto.model.stain_probe import (
-    ProbeError,
-    clean_view,
-    embed,
-    load_probe_image,
-    pair_sensitivity,
-    per_image_rows,
-    stain_sensitivity,
-    summary_of,
+from fedhisto.experiments.dose_response import condition_config, condition_inputs, encoder_pattern
+from fedhisto.experiments.framework import (
+    ROOT,
+    Experiment,
+    Step,
+    encoder_dir,
+    summary_dir,
+    summary_files,
+    warm,
 )
+from fedhisto.experiments.layout import experiment_block
+from fedhisto.infra.atomic import write_csv, write_json
+from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.infra.settings_base import Strict, identity_dump
 
 STAGE = "experiments"
 PROBE_COLUMNS = ("ratio", "ratio_same_class", "retrieval_top1")
 PER_IMAGE_COLUMNS = ("measure", "severity", "sample_id", "within", "nearest_other", "hit_a_to_b", "hit_b_to_a")
 
 
+NAME = "probe"
+
+
+class ProbeConfig(Strict):
+    """Stain-sensitivity probe of each dose-response encoder on the shifted cohort's tissues."""
+
+    seed: int = Field(5151, description="seed of the two stain draws per image")
+
+
+def probe_encoder_inputs(cfg: Config, encoder: str) -> dict[str, str | list[str]]:
+    """The shifted cohort and the folder of a dose-response condition's frozen encoder (none: from its config)."""
+    return {"cohort": f"{ROOT}/dose_response/cohort/cohort.csv",
+            "encoder": condition_inputs(cfg, f"dose_response/{encoder}")["encoder"]}
+
+
+def probe_files(cfg: Config) -> dict[str, str]:
+    """Per dose-response encoder condition: its probe's JSON."""
+    return {label: f"{ROOT}/probe/{label}/probe.json" for label in cfg.experiments.dose_response.labels()}
+
+
+def probe_block(cfg: Config, encoder: str) -> dict:
+    """What one encoder's probe depends on beyond its input files."""
+    c = condition_config(cfg, f"dose_response/{encoder}")
+    x = cfg.experiments
+    return {"probe": x.probe.model_dump(mode="json"), "severities": x.dose_response.severities,
+            "encoder": identity_dump(c.model.encoder), "views": identity_dump(c.views),
+            "resamples": x.resamples, "bootstrap_seed": x.bootstrap_seed, "eval_batch": c.evaluate.eval_batch}
+
+
+def _probe(smk, cfg: Config) -> None:
+    warm(smk, "fedhisto.experiments.probe:probe_condition", cfg, smk.wildcards.encoder, smk.input.cohort,
+         Path(smk.output.json).parent, encoder_dir=encoder_dir(smk), threads=smk.threads)
+
+
+def _summarise(smk, cfg: Config) -> None:
+    warm(smk, "fedhisto.experiments.probe:summarise_probe", dict(smk.params.probes), smk.input.dose_response, cfg,
+         summary_dir(smk))
+
+
+class Probe(Experiment):
+    name = NAME
+    settings = ProbeConfig
+
+    def steps(self, cfg: Config) -> list[Step]:
+        return [Step("probe_encoder", {"json": f"{ROOT}/probe/{{encoder}}/probe.json",
+                                       "per_image": f"{ROOT}/probe/{{encoder}}/per_image.csv"},
+                     _probe, inputs=lambda w: probe_encoder_inputs(cfg, w.encoder), log="logs/experiments/probe/{encoder}.log",
+                     params={"block": lambda w: probe_block(cfg, w.encoder)}, resources="predict_encoder",
+                     wildcard_constraints={"encoder": encoder_pattern(cfg)}),
+                Step("summarize_probe", summary_files(NAME), _summarise,
+                     inputs={"probes": list(probe_files(cfg).values()),
+                             "dose_response": f"{ROOT}/dose_response/dose_response.json"},
+                     params={"probes": probe_files(cfg), "block": experiment_block(cfg, NAME)})]
+
+
+# ------------------------------------------------------------------ analysis
 def _tissues_by_severity(cohort_csv: str | Path, severities: list[float]) -> dict[float, list[dict]]:
     """Rows per severity, each list in the same tissue order (the lowest severity's)."""
+    from fedhisto.model.stain_probe import ProbeError
+
     by: dict[float, dict[str, dict]] = defaultdict(dict)
     with Path(cohort_csv).open() as fh:
         for r in csv.DictReader(fh):
@@ -70,6 +121,19 @@ def _tissues_by_severity(cohort_csv: str | Path, severities: list[float]) -> dic
 def probe_condition(cfg: Config, encoder: str, cohort_csv: str | Path, out_dir: str | Path,
                     encoder_dir: str | None = None, threads: int = 1) -> dict:
     """One encoder condition's probe: ``probe.json`` and ``per_image.csv`` in ``out_dir``."""
+    import torch
+
+    from fedhisto.model.encoder import load_encoder
+    from fedhisto.model.stain_probe import (
+        clean_view,
+        embed,
+        load_probe_image,
+        pair_sensitivity,
+        per_image_rows,
+        stain_sensitivity,
+        summary_of,
+    )
+
     torch.set_num_threads(max(threads, 1))
     c = condition_config(cfg, f"dose_response/{encoder}")
     x = cfg.experiments
@@ -116,6 +180,8 @@ def _order(values: dict[str, float]) -> list[str]:
 
 def summarise_probe(probe_jsons: dict[str, str], dose_json: str | Path, cfg: Config, out_dir: str | Path) -> dict:
     """``probe_jsons``: encoder condition -> its probe.json; ``dose_json``: the dose-response summary."""
+    from fedhisto.model.stain_probe import ProbeError
+
     gaps = _gaps(dose_json)
     top = max(cfg.experiments.dose_response.severities)
     rows = []
@@ -151,6 +217,15 @@ def summarise_probe(probe_jsons: dict[str, str], dose_json: str | Path, cfg: Con
 
 
 def _figure(rows: list[dict], paired: dict[str, dict], path: Path) -> None:
+    import numpy as np
+
+    from fedhisto.infra.plotting import (  # plotting: only when drawing
+        legend_outside,
+        plot_bars_with_ci,
+        plt,
+        save_figure,
+    )
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11.5, 4.4))
     encoders = list(paired)
     plot_bars_with_ci(left, encoders, [paired[e]["ratio"] for e in encoders],

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from fedhisto.config.study import Config
-from fedhisto.experiments.layout import PLAIN_ENCODER, ROOT, dose_methods
+from fedhisto.experiments.dose_response import PLAIN_ENCODER, dose_methods
+from fedhisto.experiments.framework import ROOT
 from fedhisto.registries.method_registry import registration
 
 BASELINE = "baseline"

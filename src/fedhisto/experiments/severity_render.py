@@ -14,18 +14,20 @@ accuracy along the severity axis is the shift's effect, not a different sample o
 
 from __future__ import annotations
 
+# ``shift`` below is the dose-response experiment's settings block (experiments.dose_response.DoseResponseConfig);
+# typed Any so this renderer, which that module imports inside its step, imports nothing of it back.
 import dataclasses
 import io
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from fedhisto import CLASSES
-from fedhisto.config.experiment_settings import DoseResponseConfig
 from fedhisto.config.stage_blocks import stage_block
 from fedhisto.config.study import Config, SyntheticCohort
 from fedhisto.infra.atomic import write_bytes, write_csv
@@ -73,7 +75,7 @@ class ShiftTissue:
         return "_".join(parts)
 
 
-def plan_shift(shift: DoseResponseConfig) -> list[ShiftTissue]:
+def plan_shift(shift: Any) -> list[ShiftTissue]:
     """The shifted cohort's tissues, with the external cohort's differentiation / magnification mix."""
     rng = _rng(shift.seed, STREAM_TAG, 0)
     return [ShiftTissue(cls, c, k, diff, mag)
@@ -121,7 +123,7 @@ def _render_job(args: tuple[ShiftTissue, int, int, tuple[float, ...], tuple[Site
     return rows
 
 
-def render_shift_cohort(cohort: SyntheticCohort, shift: DoseResponseConfig, out_dir: Path,
+def render_shift_cohort(cohort: SyntheticCohort, shift: Any, out_dir: Path,
                         threads: int = 1) -> list[dict]:
     """Render every tissue at every severity under ``out_dir/images/s<severity>/``; rows severity-major.
 

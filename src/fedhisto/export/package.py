@@ -12,6 +12,11 @@
                                 peft's own adapter format: ``PeftModel.from_pretrained(encoder, this)``
       members/seed<S>/head.safetensors
                                 residual adapter, FiLM and classifier (the rest of the trainable state)
+      members/seed<S>/folded_base.safetensors
+                                only for a method that folds into the frozen weights (FedEx-LoRA): the
+                                dense offset of each adapted module's frozen weight, under the model's
+                                name of that weight (``encoder.<module>.base_layer.weight``); the model is
+                                (W0 + offset) x + s B A x, so add it to the encoder before the adapters
 
 Nothing is a pickle: tensors are safetensors, everything else JSON or text. A package is written into
 a temporary sibling folder and renamed into place, so it is complete or absent.
@@ -88,21 +93,36 @@ def adapter_config(model_block: dict, target_modules: list[str], base: str) -> d
     return json.loads(json.dumps(doc, default=str))
 
 
+FOLDED_FILE = "folded_base.safetensors"
+
+
 def write_member(folder: Path, state: dict[str, torch.Tensor], lora_config: dict) -> None:
     from safetensors.torch import save_file
 
+    from fedhisto.fedmath.lora_aggregators.fold import split_folded
+
+    state, folded = split_folded(state)
     lora, rest = split_state(state)
     (folder / "lora").mkdir(parents=True, exist_ok=True)
     save_file(lora, str(folder / "lora/adapter_model.safetensors"), metadata={"format": "pt"})
     write_json(folder / "lora/adapter_config.json", lora_config)
     save_file(rest, str(folder / "head.safetensors"), metadata={"format": "pt"})
+    if folded:
+        save_file({k: t.detach().contiguous().cpu() for k, t in folded.items()}, str(folder / FOLDED_FILE),
+                  metadata={"format": "pt"})
 
 
 def read_member(folder: Path) -> dict[str, torch.Tensor]:
+    """The member state as the live model loads it (its folded base deltas too, where the member has them)."""
     from safetensors.torch import load_file
 
-    return join_state(load_file(str(folder / "lora/adapter_model.safetensors")),
-                      load_file(str(folder / "head.safetensors")))
+    from fedhisto.fedmath.lora_aggregators.fold import FOLDED
+
+    state = join_state(load_file(str(folder / "lora/adapter_model.safetensors")),
+                       load_file(str(folder / "head.safetensors")))
+    if (folder / FOLDED_FILE).exists():
+        state.update({FOLDED + k: t for k, t in load_file(str(folder / FOLDED_FILE)).items()})
+    return state
 
 
 def write_checksums(root: Path) -> None:

@@ -39,7 +39,7 @@ from fedhisto.stats.temperature import fit_temperature
 
 log = logging.getLogger(__name__)
 STAGE = "export"
-#: where a classification without --descriptor conditions FiLM, and why (documented in docs/classify.md)
+#: where a classification without --descriptor conditions FiLM, and why (documented in docs/getting-started.md)
 DEFAULT_DESCRIPTOR = "centroid"
 
 

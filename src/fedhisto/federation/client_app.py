@@ -1,51 +1,22 @@
 """The ClientApp: each message type goes to ``handlers.handle`` (what a site does with it).
 
-A SuperNode starts one ``flwr-clientapp`` process per message, so this module imports only flwr and
-the standard library: with a site worker (node config ``worker``: the socket of
-``federation.worker``, which ``fedhisto site`` starts next to the SuperNode) the message is handed
-to that long-lived process and this process never imports torch; without one (the Simulation
-Engine, tests, ``fedhisto site --no-worker``) the handler runs here. A worker that cannot be reached
-is not silent: the message is handled here instead and the reply's ``info`` record says why
-(``worker-fallback``), which the server logs.
+Stock Flower runs this in one ``flwr-clientapp`` process per message (the SuperNode's SuperExec starts
+it), or in a Simulation Engine worker. This module imports only flwr at load time; the handler (torch,
+the model code, the site's images) is imported when the first message arrives.
 """
 
 from __future__ import annotations
 
-import time
-
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 app = ClientApp()
 
 
-def _handle_here(action: str, content: RecordDict, node_config: dict, run_config: dict) -> RecordDict:
+def dispatch(action: str, content: RecordDict, node_config: dict, run_config: dict) -> RecordDict:
     from fedhisto.federation.handlers import handle
 
     return handle(action, content, node_config, run_config)
-
-
-def dispatch(action: str, content: RecordDict, node_config: dict, run_config: dict) -> RecordDict:
-    socket_path = str(node_config.get("worker", ""))
-    if not socket_path:
-        return _handle_here(action, content, node_config, run_config)
-    from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
-
-    from fedhisto.federation.envelope import annotate
-    from fedhisto.federation.worker import WorkerUnavailable, call
-
-    t0 = time.perf_counter()
-    try:
-        body, header = call(socket_path, action, recorddict_to_proto(content).SerializeToString(), node_config,
-                            run_config)
-    except WorkerUnavailable as exc:
-        return annotate(_handle_here(action, content, node_config, run_config), **{"worker-fallback": str(exc)[:500]})
-    if "refused" in header:
-        return RecordDict({"error": ConfigRecord({"type": "WorkerRefused", "message": str(header["refused"]),
-                                                  "traceback": ""})})
-    reply = recorddict_from_proto(ProtoRecordDict.FromString(body))
-    return annotate(reply, **{"worker-served": int(header["served"]), "forward_s": round(time.perf_counter() - t0, 4)})
 
 
 def _reply(msg: Message, context: Context) -> Message:

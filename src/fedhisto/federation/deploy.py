@@ -1,7 +1,7 @@
 """Flower processes, certificates and keys, as the CLI (``fedhisto superlink/site/federate``) and tests use them.
 
-Deployment defaults (Flower 1.42): one HTTPS port on the SuperLink for Fleet, Control and Runtime
-APIs; TLS with a CA the sites trust; SuperNode authentication by keys the coordinator registers
+Deployment defaults (Flower 1.40-1.42, stock processes): one HTTPS port on the SuperLink for Fleet,
+Control and Runtime APIs; TLS with a CA the sites trust; SuperNode authentication by keys the coordinator registers
 (``flwr supernode register <site>.pub <conn> --name <site>``: the name is how the ServerApp finds a
 site). Turning TLS/authentication off needs ``insecure=True`` (``--insecure`` on the CLI).
 
@@ -115,22 +115,20 @@ def superlink_cmd(port: int, host: str = "127.0.0.1", tls: dict | None = None, d
 
 
 def node_config(site: str, manifest: str | Path, descriptors: str | Path = "", encoder_dir: str = "",
-                threads: int = 1, worker: str | Path = "", cache_dir: str | Path = "", report: str = "rows") -> str:
-    """The SuperNode's ``--node-config``. ``worker``: the site worker's socket (``federation.worker``);
-    ``cache_dir``: the node-local cache of decoded images (``site.load_site_split``); ``report``:
-    ``counts`` is the site's opt-out of per-image evaluation rows (``federation.evaluate``)."""
-    items = node_config_items(site, manifest, descriptors, encoder_dir, worker, cache_dir, report)
+                threads: int = 1, cache_dir: str | Path = "", report: str = "rows") -> str:
+    """The SuperNode's ``--node-config``. ``cache_dir``: the node-local cache of decoded images
+    (``site.load_site_split``); ``report``: ``counts`` is the site's opt-out of per-image evaluation
+    rows (``federation.evaluate``)."""
+    items = node_config_items(site, manifest, descriptors, encoder_dir, cache_dir, report)
     return " ".join(f"{k}='{v}'" for k, v in items.items()) + f" threads={threads}"
 
 
 def node_config_items(site: str, manifest: str | Path, descriptors: str | Path = "", encoder_dir: str = "",
-                      worker: str | Path = "", cache_dir: str | Path = "", report: str = "rows") -> dict[str, str]:
+                      cache_dir: str | Path = "", report: str = "rows") -> dict[str, str]:
     if report not in ("rows", "counts"):
         raise ValueError(f"site {site}: report {report!r} is not rows or counts")
     items = {"site-id": site, "manifest": str(Path(manifest).resolve()),
              "descriptors": str(Path(descriptors).resolve()) if descriptors else "", "encoder-dir": encoder_dir}
-    if worker:
-        items["worker"] = str(Path(worker).resolve())
     if cache_dir:
         items["cache-dir"] = str(Path(cache_dir).resolve())
     if report != "rows":
@@ -141,15 +139,10 @@ def node_config_items(site: str, manifest: str | Path, descriptors: str | Path =
 def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: str | Path = "",
                   root_certificates: str | Path | None = None, auth_key: str | Path | None = None,
                   runtime_port: int = 9094, insecure: bool = False, encoder_dir: str = "", threads: int = 1,
-                  worker: str | Path = "", cache_dir: str | Path = "", fast_poll: bool = False,
-                  report: str = "rows") -> list[str]:
-    """``fast_poll``: through ``supernode_poll`` (idle poll capped at FEDHISTO_SUPERNODE_POLL_S, default
-    0.2 s, instead of Flower's fixed 3 s)."""
-    exe = [sys.executable, "-m", "fedhisto.federation.supernode_poll"] if fast_poll else [flower_bin("flower-supernode")]
-    if fast_poll and worker:  # the SuperExec's flwr-clientapp hands each task to the worker (clientapp_launcher)
-        exe += ["--site-worker", str(Path(worker).resolve())]
-    cmd = [*exe, "--superlink", superlink,
-           "--node-config", node_config(site, manifest, descriptors, encoder_dir, threads, worker, cache_dir, report),
+                  cache_dir: str | Path = "", report: str = "rows") -> list[str]:
+    """Flower's own ``flower-supernode`` for this site (the fast path's SuperNode: ``fastpath.commands``)."""
+    cmd = [flower_bin("flower-supernode"), "--superlink", superlink,
+           "--node-config", node_config(site, manifest, descriptors, encoder_dir, threads, cache_dir, report),
            "--host", "127.0.0.1", "--port", str(runtime_port)]  # the SuperNode's local runtime API (one per node)
     if insecure:
         cmd.append("--insecure")
@@ -157,33 +150,6 @@ def supernode_cmd(superlink: str, site: str, manifest: str | Path, descriptors: 
         if not (root_certificates and auth_key):
             raise ValueError("a SuperNode needs --root-certificates and --auth-key unless insecure")
         cmd += ["--root-certificates", str(root_certificates), "--auth-supernode-private-key", str(auth_key)]
-    return cmd
-
-
-def worker_cmd(socket_path: str | Path, site: str, manifest: str | Path, descriptors: str | Path = "",
-               encoder_dir: str = "", cache_dir: str | Path = "", threads: int = 1,
-               parent_pid: int | None = None, ready_file: str | Path | None = None, report: str = "rows",
-               warm_config: str | Path = "", warm_splits: tuple[str, ...] = ("optimisation",),
-               warm_runs: tuple[str, ...] = ()) -> list[str]:
-    """The site worker (``federation.worker``) for the node config the SuperNode gets. ``warm_config``:
-    the federation's config file, to load the encoder and the site's images of ``warm_splits`` (and
-    build the model of each ``METHOD:SEED`` of ``warm_runs``) before the worker says ready."""
-    import json
-
-    items = node_config_items(site, manifest, descriptors, encoder_dir, socket_path, cache_dir, report)
-    items["threads"] = threads  # type: ignore[assignment]
-    cmd = [sys.executable, "-m", "fedhisto.federation.worker", "--socket", str(Path(socket_path).resolve()),
-           "--node-config", json.dumps(items)]
-    if parent_pid:
-        cmd += ["--parent-pid", str(parent_pid)]
-    if ready_file:
-        cmd += ["--ready-file", str(ready_file)]
-    if warm_config:
-        cmd += ["--warm-config", str(Path(warm_config).resolve()), "--warm-splits", ",".join(warm_splits)]
-        for run in warm_runs:
-            cmd += ["--warm-run", run]
-    elif warm_runs:
-        raise ValueError(f"site {site}: warm runs {list(warm_runs)} need the federation's config (warm_config)")
     return cmd
 
 

@@ -1,8 +1,8 @@
 """What a site does with each message type, on RecordDicts and without a Flower ``Message``.
 
-The ClientApp (``client_app``) calls :func:`handle` in its own process, or hands the message to the
-site's long-lived worker (``worker``), which calls the same function: one implementation, so a
-worker's reply is the in-process reply (the bitwise tests run through both).
+The ClientApp (``client_app``) calls :func:`handle` in its own process; the opt-in long-lived site
+worker calls the same function: one implementation, so a worker's reply is the in-process reply (the
+bitwise tests run through both).
 
 =====================  ==========================================================================
 message type           what the site does (``site.Site``)

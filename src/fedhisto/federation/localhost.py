@@ -2,11 +2,13 @@
 their SuperNodes and workers, ``flwr run``. For the deployment tests and the round benchmark; a
 real deployment runs the same commands on different machines (docs/federation.md, runbook).
 
-``fast=True`` is the deployment as ``fedhisto site`` starts it (a long-lived worker per site, the
-SuperNode's idle poll capped at 0.2 s, SuperExecs polling every 0.1 s, the ServerApp pulling every
-0.2 s); ``fast=False`` is Flower's own process model and polling (one ClientApp process per message
-that imports everything and decodes the site's images, 3 s / 1 s / 3 s polls), kept to measure
-against.
+By default every process is Flower's own, as ``fedhisto site`` / ``federate`` start them:
+``flower-superlink``, ``flower-supernode`` and one ``flwr-clientapp`` process per message (it
+imports everything and reads the site's decoded images from the node cache), with Flower's
+documented settings only (SuperExecs polling every 0.1 s, the ServerApp pulling replies every 0.2 s
+through the Grid's push/pull). ``fastpath=True`` is ``--fastpath`` (``federation.fastpath``: a
+long-lived worker per site, the SuperNode's idle poll capped at 0.2 s, shorter object pulls), refused
+on a Flower the fast path is not tested against.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from fedhisto.federation.deploy import (
     superlink_cmd,
     supernode_cmd,
     wait_port,
-    worker_cmd,
     write_connection,
 )
 
@@ -43,7 +44,7 @@ class SiteSpec:
     manifest: Path
     descriptors: Path | str = ""
     encoder_dir: str = ""
-    # the worker's warm-up (fast only; ``worker.serve``): the federation's config, splits, METHOD:SEED runs
+    # the worker's warm-up (fast path only; ``worker.serve``): the federation's config, splits, METHOD:SEED runs
     warm_config: Path | str = ""
     warm_splits: tuple[str, ...] = ("optimisation",)
     warm_runs: tuple[str, ...] = ()
@@ -53,19 +54,22 @@ class SiteSpec:
 class LocalFederation:
     root: Path
     sites: list[SiteSpec]
-    fast: bool = True
+    fastpath: bool = False
     procs: Procs = field(init=False)
     port: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
+        if self.fastpath:
+            from fedhisto.federation.fastpath import require
+
+            require()  # before any process starts
         self.tls = make_tls(self.root / "certs")
         self.keys = {s.site: make_site_key(self.root / "keys", s.site) for s in self.sites}
         self.port = free_port()
         home = self.root / "flwr_home"
         write_connection(home, "lab", f"127.0.0.1:{self.port}", root_certificates=self.tls["ca"])
-        extra = {} if self.fast else {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "1.0"}  # Flower's default
-        self.env = flower_env(home, extra=extra)
+        self.env = flower_env(home)
         self.procs = Procs(self.root / "logs", self.env)
         self.node_ids: dict[str, int] = {}
 
@@ -91,21 +95,24 @@ class LocalFederation:
 
     def start_site(self, spec: SiteSpec) -> None:
         run_dir = self.root / "sites" / spec.site
-        sock, cache = (run_dir / "worker.sock", run_dir / "cache") if self.fast else ("", "")
-        if self.fast:
-            ready = run_dir / "worker.ready"
-            ready.unlink(missing_ok=True)
-            self.procs.start(f"worker_{spec.site}", worker_cmd(sock, spec.site, spec.manifest, spec.descriptors,
-                                                               spec.encoder_dir, cache, ready_file=ready,
-                                                               warm_config=spec.warm_config,
-                                                               warm_splits=spec.warm_splits, warm_runs=spec.warm_runs))
-        self.procs.start(f"supernode_{spec.site}", supernode_cmd(
-            self.address, spec.site, spec.manifest, spec.descriptors, self.tls["ca"], self.keys[spec.site][0],
-            runtime_port=free_port(), encoder_dir=spec.encoder_dir, worker=sock, cache_dir=cache,
-            fast_poll=self.fast))
+        sock, cache = run_dir / "worker.sock", run_dir / "cache"
+        args = (self.address, spec.site, spec.manifest, spec.descriptors, self.tls["ca"], self.keys[spec.site][0])
+        if not self.fastpath:
+            self.procs.start(f"supernode_{spec.site}", supernode_cmd(*args, runtime_port=free_port(),
+                                                                     encoder_dir=spec.encoder_dir, cache_dir=cache))
+            return
+        from fedhisto.federation.fastpath import launch_commands as commands
+
+        ready = run_dir / "worker.ready"
+        ready.unlink(missing_ok=True)
+        self.procs.start(f"worker_{spec.site}", commands.worker_cmd(
+            sock, spec.site, spec.manifest, spec.descriptors, spec.encoder_dir, cache, ready_file=ready,
+            warm_config=spec.warm_config, warm_splits=spec.warm_splits, warm_runs=spec.warm_runs))
+        self.procs.start(f"supernode_{spec.site}", commands.supernode_cmd(
+            *args, runtime_port=free_port(), encoder_dir=spec.encoder_dir, worker=sock, cache_dir=cache))
 
     def wait_workers(self, timeout: float = 180.0) -> None:
-        if self.fast:
+        if self.fastpath:
             wait_for(lambda: all((self.root / "sites" / s.site / "worker.ready").exists() for s in self.sites),
                      timeout, "site workers ready")
 
@@ -117,8 +124,11 @@ class LocalFederation:
         self.wait_workers()
 
     def run(self, run_config: dict) -> None:
-        rc = {**run_config, "poll-interval": 0.2 if self.fast else 0.0}
-        flwr_cli(["run", str(APP_DIR), "lab", "--run-config", run_config_arg(rc), "--format", "json"], self.env,
+        from fedhisto.federation.fastpath import APP_DIR as FASTPATH_APP_DIR
+
+        app = FASTPATH_APP_DIR if self.fastpath else APP_DIR
+        rc = {"poll-interval": 0.2, **run_config}
+        flwr_cli(["run", str(app), "lab", "--run-config", run_config_arg(rc), "--format", "json"], self.env,
                  cwd=self.root)
 
     def cpu_seconds(self) -> dict[str, float]:

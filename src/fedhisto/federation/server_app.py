@@ -29,7 +29,6 @@ def _audit(event: str, args: tuple) -> None:
 
 sys.addaudithook(_audit)
 
-import logging  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -42,7 +41,6 @@ from fedhisto.federation.evaluate import EvaluationIncomplete  # noqa: E402
 from fedhisto.federation.server import FederatedRun  # noqa: E402
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable  # noqa: E402
 
-log = logging.getLogger(__name__)
 app = ServerApp()
 
 
@@ -71,7 +69,7 @@ class GridExchange:
         self.run_base = run_base
         self.poll = poll if poll and hasattr(grid, "push_messages") and hasattr(grid, "pull_messages") else None
         self.site_to_node: dict[str, int] = {}
-        self.reply_info: dict[str, dict] = {}  # the last reply's ``info`` record per site (timings, worker)
+        self.reply_info: dict[str, dict] = {}  # the last reply's ``info`` record per site (timings)
 
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
         if self.poll is None:
@@ -128,9 +126,6 @@ class GridExchange:
                 got[site] = unseal(reply.content)
                 if "info" in got[site]:
                     self.reply_info[site] = dict(got[site]["info"])
-                    if "worker-fallback" in self.reply_info[site]:
-                        log.warning("site %s handled %s without its worker: %s", site, action,
-                                    self.reply_info[site]["worker-fallback"])
         for s in msgs:
             if s not in got and s not in unavailable:
                 unavailable[s] = f"no reply within {self.timeout:.0f} s"
@@ -170,10 +165,6 @@ def main(grid: Grid, context: Context) -> None:
     fed.after_round = lambda: dump_audit(log_dir)
     run_base = {"method": fed.method.name, "seed": fed.seed, "config": fed.cfg_json}
     poll = float(rc.get("poll-interval", 0.2))
-    if poll > 0 and type(grid).__module__ == "flwr.superlink.grid.http_grid":  # the fast deployment's pulls
-        from fedhisto.federation.fast_pull import patch as fast_pulls
-
-        fast_pulls(("flwr.superlink.grid.http_grid",))
     targets = evaluation_targets(str(rc.get("evaluate", "")))
     reached = sorted({*sites, *fed.eval_sites, *(t.site for t in targets)})
     ex = GridExchange(grid, reached, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),

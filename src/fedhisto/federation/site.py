@@ -7,8 +7,8 @@ same decoding as ``train.data.load_partitions``, so that a site's ``local_train`
 in-process engine's.
 
 Models, the frozen encoder and decoded data are cached per process (``_MODELS``/``_ENCODERS``/
-``_DATA``): a long-lived process (the site worker of ``federation.worker``, or a Simulation Engine
-Ray actor) loads the encoder once per node and decodes the site's images once. Decoded images are
+``_DATA``): a long-lived process (the opt-in long-lived site worker, or a Simulation Engine Ray
+actor) loads the encoder once per node and decodes the site's images once. Decoded images are
 also cached on the node's disk (node config ``cache-dir``), keyed by the SHA-256 of the manifest
 file, the site, the split and the decode size: a manifest that changes (any row, any image digest)
 is a new key and is decoded again, and a cache file whose recorded key differs is never used.

@@ -15,8 +15,12 @@ def lora_pairs(keys: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def flat_update(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A client's update D_k: its state minus the global one, flattened in key order."""
-    return torch.cat([(state[k].double() - reference[k].double()).flatten() for k in sorted(reference)])
+    """A client's update D_k: its state minus the global one, flattened in key order (the trainable
+    tensors: a folded base delta in the reference is the server's, never trained or sent back)."""
+    from fedhisto.fedmath.lora_aggregators.fold import is_folded
+
+    return torch.cat([(state[k].double() - reference[k].double()).flatten() for k in sorted(reference)
+                      if not is_folded(k)])
 
 
 def aggregate(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], scaling: float,

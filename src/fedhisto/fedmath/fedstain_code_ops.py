@@ -4,7 +4,7 @@ What differs from Algorithm 1 (``fedmath.fedstain``): the statistics are skewnes
 kurtosis of the *input pixels*, the only thing uploaded; "MixStyle" adds a small per-channel
 shift of 0.1 x (change in skewness + change in kurtosis) to the pixels (in units of the
 channel's deviation) instead of replacing mean and deviation; no RandStain. Facts from
-``/work/shared/papers/fedstain-official-code.md``; the formulas below paraphrase the code's
+FedStain's public code (onism-dev/Fedstain, commit cc6056e); the formulas below paraphrase the code's
 ``compute_statistic`` and ``MixStyle.forward`` in our words.
 
 The server side (pool without the client's own rows, FedAvg) is shared with the literal variant.

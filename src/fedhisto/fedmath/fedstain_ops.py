@@ -1,4 +1,4 @@
-"""FedStain comparator math (papers/fedstain.txt section III, SPEC section 11), pure and transport-free.
+"""FedStain comparator math (its paper's section III), pure and transport-free.
 
 Clients upload per-channel style statistics of a fraction r of their samples; the server pools
 them and hands each client the pool without its own entries. Locally, RandStain (eq. 1) restyles

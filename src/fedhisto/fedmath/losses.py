@@ -1,4 +1,4 @@
-"""Local objective terms (study equations 2 and 3, SPEC section 6)."""
+"""Local objective terms (study equations 2 and 3)."""
 
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from fedhisto import __version__
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the fedhisto package (this module sits in infra/)
 #: Files of the package that are not Python source but change what it does (pyproject package-data).
-PACKAGE_DATA = ("py.typed", "federation/app/pyproject.toml")
+PACKAGE_DATA = ("py.typed", "federation/app/pyproject.toml", "federation/fastpath/app/pyproject.toml")
 
 
 class CodeMismatch(RuntimeError):

@@ -131,7 +131,7 @@ def verify_sidecar(artifact: str | os.PathLike[str]) -> None:
 def cpu_caches(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> str | None:
     """CPU 0's caches as the kernel lists them, e.g. "L1d 48K, L1i 32K, L2 1024K, L3 32768K"; None where
     sysfs does not say. Two virtual machines both named "AMD EPYC" gave different float results for the
-    same code and build (docs/results_embedded_default.md); CPU kernels may block their loops by cache
+    same code and build (docs/methods.md); CPU kernels may block their loops by cache
     size, so this is what tells such hosts apart in a result's runtime block."""
     short = {"Data": "d", "Instruction": "i", "Unified": ""}
     entries = []

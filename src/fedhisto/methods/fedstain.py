@@ -1,4 +1,4 @@
-"""FedStain (SPEC section 11) on the shared frozen-encoder PEFT model, as its paper's Algorithm 1 prints it.
+"""FedStain (Yu et al.'s paper and public code) on the shared frozen-encoder PEFT model, as its paper's Algorithm 1 prints it.
 
 Two pieces: the style statistics a client uploads at the start of a round (Algorithm 2, stage a)
 and the local objective on four views of each batch (stage b): the original X, RandStain(X), and
@@ -50,7 +50,7 @@ from fedhisto.model.peft_model import FedHistoModel
 
 
 class FedStainConfig(Strict):
-    """The FedStain comparator (SPEC section 11). The paper sets alpha and beta by grid search and
+    """The FedStain comparator (Yu et al.'s paper and public code). The paper sets alpha and beta by grid search and
     prints no values: the defaults weigh its two alignment terms like the study's v2 weighs its own
     (feature 0.10, JS 0.25), so neither method gets more auxiliary pull."""
 

@@ -2,7 +2,7 @@
 
 Shared with the literal variant (inherited): the statistics exchange, the pool each client
 receives without its own rows, FedAvg of the adapters, the PEFT architecture without FiLM.
-Different (docs/fedstain.md has the full table): the statistics are the skewness and excess
+Different (docs/methods.md has the full table): the statistics are the skewness and excess
 kurtosis of the *input pixels* of floor(r n_i) images, the only upload; the generated views are
 the pixels with a small per-channel shift (``pixel_style_shift``) and then AugMix; three views
 (original + two generated); CE on all three, JS across them, SupCon of each generated view
@@ -58,7 +58,7 @@ def client_pixel_moments(data: Split, cfg: Config, rng: np.random.Generator) -> 
 
 
 class FedStainCodeConfig(Strict):
-    """FedStain as its authors' public code runs it (docs/fedstain.md): pixel skewness/kurtosis, a 0.1 x
+    """FedStain as its authors' public code runs it (docs/methods.md): pixel skewness/kurtosis, a 0.1 x
     per-channel pixel shift, AugMix; three views; CE + lambda2 JS + lambda1 SupCon, both 0.1 in the code."""
 
     upload_ratio: float = Field(0.1, gt=0, le=1, description="r: statistics of floor(r n_i) local images per round")

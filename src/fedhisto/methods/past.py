@@ -5,7 +5,10 @@ Local objective of v2 (study eq. 2):
     L = CE_cb(view 1, view 2) + 0.25 JS(p1, p2) + 0.10 (1 - cos(z1, z2)) + 0.05 L_proto,v2
 with v1's unweighted prototype attraction in place of L_proto,v2, and FedProx's
 (mu / 2) ||theta - theta_global||^2 for ``proximal``. Client weights: sample mass, or the
-adaptive heuristic of eq. 4 (``fedmath.weights.Adaptive``). Aggregation: delta-SVD (eq. 5).
+adaptive heuristic of eq. 4 (``fedmath.weights.Adaptive``). Aggregation: delta-SVD (eq. 5), or
+[ours] another LoRA aggregator of ``fedmath.lora_aggregators`` (``train.past.lora_aggregator``: the
+family's model and objective under factor averaging, FlexLoRA at equal ranks, FedEx-LoRA's fold or
+FFA-LoRA's frozen A; FedSA-LoRA is refused, it keeps one model per site).
 """
 
 from __future__ import annotations
@@ -35,8 +38,16 @@ from fedhisto.fedmath.prototypes import (
     prototype_traffic,
 )
 from fedhisto.fedmath.weights import Adaptive, SampleMass, induced_update
-from fedhisto.infra.settings_base import Strict
-from fedhisto.methods.base import Batch, LocalRun, Method, RoundUpdate, client_descriptors, zero_descriptors
+from fedhisto.infra.settings_base import IF_CHANGED, Strict
+from fedhisto.methods.base import (
+    GLOBAL,
+    Batch,
+    LocalRun,
+    Method,
+    RoundUpdate,
+    client_descriptors,
+    zero_descriptors,
+)
 from fedhisto.methods.dp_objective import ImageCE, PrivateObjective, objective_refusal
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 
@@ -53,6 +64,11 @@ class PastConfig(Strict):
     fedprox_mu: float = Field(0.001, ge=0)
     reliability: Literal["study", "bounded"] = Field(
         "study", description="prototype reliability: the study's formula, or [ours] one scale for 1 and 2+ contributors")
+    lora_aggregator: Literal["delta_svd", "factor_mean", "flexlora", "fedex_lora", "ffa_lora", "fedsa_lora"] = Field(
+        "delta_svd", json_schema_extra=IF_CHANGED,
+        description="[ours] the server's LoRA aggregator (fedmath.lora_aggregators): delta_svd is the study's (eq. 5); "
+                    "factor_mean, flexlora, fedex_lora, ffa_lora as their methods aggregate; fedsa_lora is refused "
+                    "(it keeps B at each site, one model per site)")
 
 @dataclass(frozen=True)
 class PastUnitLoss(ImageCE):
@@ -107,6 +123,22 @@ class PastFamily(Method):
         self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
         self.paired_views, self.js, self.feat = paired_views, js, feat
         self.aggregation, self.proximal = aggregation, proximal
+        self.lora_aggregator = self._lora_aggregator()
+
+    def _lora_aggregator(self):
+        """The server's LoRA aggregator (``train.past.lora_aggregator``), or None for the study's delta-SVD
+        (the default's code path, unchanged)."""
+        name = self.settings.lora_aggregator if self.settings is not None else "delta_svd"
+        if name == "delta_svd":
+            return None
+        if name == "fedsa_lora":
+            raise ValueError(f"train.past.lora_aggregator: fedsa_lora cannot aggregate method {self.name!r}: it keeps "
+                             "B at each site, so a run has one model per site, and the PAST family keeps one global "
+                             "model (its prototypes and adaptive weights are the global model's); train the "
+                             "fedsa_lora method instead")
+        from fedhisto.fedmath.lora_aggregators import aggregator
+
+        return aggregator(name)
 
     def descriptors(self, doc, participants):
         if not self.film:
@@ -132,7 +164,27 @@ class PastFamily(Method):
                 [update.counts[n] for n in names],
                 [induced_update(update.states[n], update.starts[n], model.lora_scaling) for n in names])
             update.weights.update(zip(names, weights, strict=True))
-        return super().aggregate_train(update, model)
+        if self.lora_aggregator is None:
+            return super().aggregate_train(update, model)
+        from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
+        from fedhisto.methods.lora_aggregated import base_dtype
+
+        names = sorted(update.states)
+        merged = aggregate_with_fold(self.lora_aggregator, [update.states[n] for n in names],
+                                     [update.weights[n] for n in names], model.lora_scaling, self.cfg.model.lora_r,
+                                     update.starts[names[0]], base_dtype(model))
+        return {GLOBAL: merged}, update.server_state
+
+    def trains(self, name: str) -> bool:
+        """Under ``lora_aggregator: ffa_lora`` the sites keep A at its shared initialisation (FFA-LoRA)."""
+        frozen = self.lora_aggregator.frozen_factor if self.lora_aggregator is not None else None
+        return not (frozen and f".{frozen}." in name)
+
+    def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
+        """Table 8: the study's exchange, or what the chosen LoRA aggregator sends (``message_bytes``)."""
+        if self.lora_aggregator is None:
+            return super().model_bytes(state, clients)
+        return len(clients) * sum(self.lora_aggregator.message_bytes(state))
 
     def extra_terms(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
         p = self.settings

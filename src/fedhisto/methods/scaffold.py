@@ -62,7 +62,7 @@ copies of variates travel per participant and round (here c and c_i down, there 
 up), which is what Table 8 counts (``extra_traffic_bytes``).
 
 The local learning rate: ``local_lr`` was chosen on the embedded default's global validation set only
-(docs/optimisers.md records the sweep); no test or external prediction was looked at.
+(docs/methods.md records the sweep); no test or external prediction was looked at.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ from fedhisto.model.peft_model import FedHistoModel
 
 State = dict[str, torch.Tensor]
 
-LOCAL_LR = 0.1  # eta_l: see docs/optimisers.md for the validation sweep that chose it
+LOCAL_LR = 0.1  # eta_l: see docs/methods.md for the validation sweep that chose it
 
 
 class ScaffoldConfig(Strict):
@@ -111,7 +111,7 @@ class ScaffoldConfig(Strict):
                                  "without the round's delay), uploaded before training")
     local_lr: float = Field(
         LOCAL_LR, gt=0, description="eta_l of the plain SGD local steps (Algorithm 1); chosen on the embedded "
-                                    "default's validation set (docs/optimisers.md)")
+                                    "default's validation set (docs/methods.md)")
     weighting: Literal["uniform", "sample_mass"] = Field(
         "uniform", description="uniform: the paper's (1/|S|) sum Delta y_i; sample_mass: the study's n_i / n "
                                "(a departure from the paper, marked in the report)")

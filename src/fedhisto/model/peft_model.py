@@ -118,6 +118,10 @@ class FedHistoModel(nn.Module):
         return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The trainable tensors, and the folded base deltas a member state may carry (``fold_base``)."""
+        from fedhisto.fedmath.lora_aggregators.fold import split_folded
+
+        state, folded = split_folded(state)
         own = {n: p for n, p in self.named_parameters() if p.requires_grad}
         if set(state) != set(own):
             missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
@@ -125,6 +129,27 @@ class FedHistoModel(nn.Module):
         with torch.no_grad():
             for n, p in own.items():
                 p.copy_(state[n])
+        self.fold_base(folded)
+
+    @torch.no_grad()
+    def fold_base(self, folded: dict[str, torch.Tensor]) -> None:
+        """Each frozen weight named in ``folded`` becomes its pristine value plus that offset (FedEx-LoRA's
+        fold, ``fedmath.lora_aggregators.fold``); a weight folded before and not named now is restored, so
+        the state loaded last is the whole model. The pristine weights are kept from the first fold on."""
+        pristine = self.__dict__.setdefault("_pristine_base", {})
+        if not folded and not pristine:
+            return
+        frozen = {n: p for n, p in self.named_parameters() if not p.requires_grad}
+        for name, delta in folded.items():
+            p = frozen.get(name)
+            if p is None or tuple(delta.shape) != tuple(p.shape):
+                raise ValueError(f"folded base delta {name!r} {tuple(delta.shape)} fits no frozen weight of the "
+                                 f"model{'' if p is None else f' (it is {tuple(p.shape)})'}")
+            if name not in pristine:
+                pristine[name] = p.detach().clone()
+            p.copy_(pristine[name].to(p.device) + delta.to(p.device, p.dtype))
+        for name in [n for n in pristine if n not in folded]:
+            frozen[name].copy_(pristine.pop(name))
 
 
 def parameter_counts(model: FedHistoModel) -> dict[str, int]:

@@ -118,5 +118,5 @@ def pretrain_self_supervised(encoder: FrozenEncoder, cfg: Config, manifest_csv: 
     if record["collapsed"]:
         log.warning("CAVEAT: self-supervised pretraining collapsed (last loss %.3f, chance %.3f): the encoder embeds "
                     "every view alike; lower model.pretrain.lr (3e-4 learnt where 2e-3 collapsed, "
-                    "docs/tiny_encoder_real_data.md)", history[-1]["loss"], history[-1]["chance_loss"])
+                    "docs/encoders.md)", history[-1]["loss"], history[-1]["chance_loss"])
     return history, record

@@ -244,10 +244,12 @@ register("fedavg_peft_stain", _PAST, **_PAST_SETTINGS, stain_views=True, compari
 register("v1_stain", _PAST, **_PAST_SETTINGS, film=True, prototypes="v1", aggregation="adaptive", stain_views=True,
          comparison="v2_vs_v1_stain")
 # The federated-LoRA aggregators (not in the study; comparators of its delta-SVD) on fedavg_peft's model and
-# objective, one registration each (fedhisto.methods.lora_aggregation; the math: fedmath.lora_aggregators).
-_LORA = "fedhisto.methods.lora_aggregation:LoraAggregated"
-_LORA_SETTINGS = {"config_key": "lora_aggregation", "settings": "fedhisto.methods.lora_aggregation:LoraAggregationConfig"}
+# objective, one registration each (fedhisto.methods.lora_aggregated; the math: fedmath.lora_aggregators).
+_LORA = "fedhisto.methods.lora_aggregated:LoraAggregated"
+_LORA_SETTINGS = {"config_key": "lora_aggregation", "settings": "fedhisto.methods.lora_aggregated:LoraAggregationConfig"}
 register("factor_mean", _LORA, **_LORA_SETTINGS, aggregator_name="factor_mean", comparison="v2_vs_factor_mean")
 register("flexlora", _LORA, **_LORA_SETTINGS, aggregator_name="flexlora", comparison="v2_vs_flexlora")
+# FedEx-LoRA folds the factor mean's residual into the frozen weights (dense folded_base.* tensors in the state).
+register("fedex_lora", _LORA, **_LORA_SETTINGS, aggregator_name="fedex_lora", comparison="v2_vs_fedex_lora")
 register("ffa_lora", _LORA, **_LORA_SETTINGS, aggregator_name="ffa_lora", comparison="v2_vs_ffa_lora")
 register("fedsa_lora", _LORA, **_LORA_SETTINGS, aggregator_name="fedsa_lora", comparison="v2_vs_fedsa_lora")

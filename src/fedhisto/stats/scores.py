@@ -1,4 +1,4 @@
-"""Classification, discrimination and calibration metrics (study section 3.10, SPEC section 8).
+"""Classification, discrimination and calibration metrics (study section 3.10).
 
 Absent classes are never scored as observed: per-class precision / recall / F1 and the
 one-vs-rest AUROC / AUPRC of a class with no true image are reported as absent (None) and
@@ -105,7 +105,7 @@ def ece(probs: np.ndarray, y: np.ndarray, bins: int = 15) -> float:
 
 def classification_metrics(probs: np.ndarray, y: np.ndarray, ece_bins: int = 15) -> dict:
     # imported here: training, prediction and the bootstrap use this module's F1 only, and scikit-learn costs
-    # each of those jobs about 1-2 s of start-up (docs/performance.md, levers)
+    # each of those jobs about 1-2 s of start-up (docs/changelog.md, levers)
     from sklearn.metrics import average_precision_score, roc_auc_score
 
     probs = np.asarray(probs, dtype=np.float64)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhisto.config.study import Config
+from fedhisto.fedmath.lora_aggregators.fold import split_folded
 from fedhisto.methods.base import Batch, Method, restyle_views
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.optimizer_state import OptimizerState, check_names, keeps_state
@@ -334,7 +335,14 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     seed_round(jobs[0])  # one dropout stream for the whole stack
     model.train()
     n_members = len(jobs)
-    params = stack_states([j.start_state for j in jobs], device)
+    # one encoder pass for every member: they must share its frozen weights (FedEx-LoRA's folded base deltas)
+    starts = [split_folded(j.start_state) for j in jobs]
+    if any(set(f) != set(starts[0][1]) or any(not torch.equal(f[k], starts[0][1][k]) for k in f)
+           for _, f in starts[1:]):
+        raise ValueError("the batched engine shares one frozen encoder per round, but the members start from "
+                         "different folded base deltas; use train.engine: sequential")
+    model.fold_base(starts[0][1])
+    params = stack_states([s for s, _ in starts], device)
     for n, p in params.items():  # a tensor the method does not train (a frozen LoRA factor): no gradient, no step
         p.requires_grad_(method.trains(n))
     trained = {n: p for n, p in params.items() if p.requires_grad}

@@ -137,7 +137,9 @@ def _set_aside_foreign_checkpoint(path: Path, identity: dict) -> None:
 
 def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: str | Path,
               descriptors_json: str | Path, cfg: Config, out_dir: str | Path, encoder_dir: str | None = None,
-              threads: int = 1, stop_after_round: int | None = None, **test_hooks) -> dict:
+              threads: int = 1, stop_after_round: int | None = None, after_round=None, **test_hooks) -> dict:
+    """One run into ``out_dir``; ``after_round(ckpt)``: called after each round's checkpoint (an
+    experiment recording what the checkpoint keeps only for the latest round, e.g. the aggregate's spectrum)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(threads, 1))
@@ -164,7 +166,7 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
     summary = {"method": method, "seed": seed, "identity": identity, "runtime": runtime_block(device),
                "provenance": prov, "pid": os.getpid()}
     try:
-        ckpt = run_rounds(m, participants, model, cfg, identity, out / "checkpoint.pt",
+        ckpt = run_rounds(m, participants, model, cfg, identity, out / "checkpoint.pt", after_round=after_round,
                           stop_after_round=stop_after_round)
     except (ClientFailure, TooManyUnavailable) as exc:
         failure = {"failed": type(exc).__name__, "error": str(exc), "client": getattr(exc, "client", None),

@@ -43,6 +43,10 @@ class Pair:
     residual: torch.Tensor | None = None
 
 
+#: Key prefix of a member state's folded base deltas (FedEx-LoRA's residual, ``fold.py``): dense offsets of
+#: frozen weights, never LoRA factors.
+FOLDED = "folded_base."
+
 class Aggregator:
     """Base of the LoRA aggregators (see the module docstring)."""
 
@@ -62,6 +66,8 @@ class Aggregator:
         every tensor but the ones this aggregator keeps off the wire, a factor at the site's rank."""
         down = up = 0
         for key, t in state.items():
+            if key.startswith(FOLDED):  # the server's folded base deltas: counted by extra_down_bytes
+                continue
             if self.frozen_factor and f".{self.frozen_factor}." in key:
                 continue
             if self.local_factor and f".{self.local_factor}." in key:

@@ -6,8 +6,9 @@ of Foundation Models", ACL 2025): average the factors and fold the residual into
     W0' = W0 + R,
 
 so that W0' + s B' A' = sum_k a_k (W0 + s B_k A_k) exactly: the aggregate of the clients' models.
-The frozen weight then changes every round, and R (rank up to (K + 1) r, stored dense) travels down
-to every site each round: out x in floats per module beside the factors (Table 8 counts it).
+The frozen weight then changes every round; the member state carries the cumulative offset
+W0' - W0_pretrained as a dense tensor per module (``fold``), which travels down to every site each
+round: out x in floats per module beside the factors (Table 8 counts it; nothing dense goes up).
 Equal ranks only (the paper's setting); refused by name for a rank per site.
 """
 
@@ -29,6 +30,13 @@ class FedExLoRA(Aggregator):
         return Pair(a, b, full - scaling * (b.double() @ a.double()))
 
     def extra_down_bytes(self, state: State) -> int:
-        """The dense residual of every module, in the factors' dtype: out x in each."""
+        """The dense offset of every module's frozen weight, out x in each: the real ``folded_base.*``
+        tensors of a member state that carries them (``fold``), else (a state before the first fold, as
+        Table 8 builds it) their size from the factors' shapes in the factors' dtype (the encoder's)."""
+        from fedhisto.fedmath.lora_aggregators.fold import is_folded
+
+        folded = [t for k, t in state.items() if is_folded(k)]
+        if folded:
+            return sum(t.numel() * t.element_size() for t in folded)
         return sum(state[bk].shape[0] * state[ak].shape[1] * state[ak].element_size()
                    for ak, bk in lora_pairs(list(state)))

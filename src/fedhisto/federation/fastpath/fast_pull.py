@@ -1,4 +1,4 @@
-"""Flower's object pulls, retried after 0.05 s instead of 1 s when an object has not arrived yet.
+"""(Fast path) Flower's object pulls, retried after 0.05 s instead of 1 s when an object has not arrived yet.
 
 Every hop of a Flower 1.42 message pulls the message's objects (``pull_objects`` in
 ``flwr/supercore/inflatable/inflatable_utils.py``): the SuperNode from the SuperLink, the ClientApp
@@ -14,8 +14,8 @@ bounded by Flower's own total time (``PULL_MAX_TIME``, 7200 s) rather than its 5
 at a 0.5 s cap would end after ~4 minutes instead of Flower's ~80). Nothing else about a pull
 changes: the same requests, the same objects, the same errors when an object never comes.
 
-Used by the fast deployment only (``fedhisto site``'s SuperNode and worker, the ServerApp when the
-run config's ``poll-interval`` is set); Flower's own process model keeps Flower's pulls.
+Used by the fast path only (``fedhisto site --fastpath``'s SuperNode and worker, the fast path's
+ServerApp ``fastpath.server_app``); stock Flower processes keep Flower's pulls.
 """
 
 from __future__ import annotations

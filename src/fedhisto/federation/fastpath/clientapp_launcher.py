@@ -1,8 +1,8 @@
-"""A lean ``flwr-clientapp``: hands the SuperNode's task to the site worker instead of starting Python's
+"""(Fast path) A lean ``flwr-clientapp``: hands the SuperNode's task to the site worker instead of starting Python's
 whole Flower + torch stack for one message.
 
 The SuperNode's SuperExec launches ``flwr-clientapp --runtime-api-address A --token T ...`` (found on
-PATH) for every message. ``supernode_poll`` (the SuperNode ``fedhisto site`` starts) puts a
+PATH) for every message. ``supernode_poll`` (the SuperNode ``fedhisto site --fastpath`` starts) puts a
 ``flwr-clientapp`` that runs this module first on PATH when a worker is configured
 (``FEDHISTO_SITE_WORKER``, the worker's socket). This process imports only the standard library,
 passes the token and address to the worker, which runs the task (``worker.run_task``: pull the
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = os.environ.get(WORKER_VAR, "")
     args = _args(argv)
     if sock and args["token"]:
-        from fedhisto.federation.worker import WorkerUnavailable, call_task
+        from fedhisto.federation.fastpath.worker import WorkerUnavailable, call_task
 
         try:
             return call_task(sock, args)

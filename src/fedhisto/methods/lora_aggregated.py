@@ -1,5 +1,5 @@
 """FedAvg-PEFT's model and objective under an aggregator of the federated-LoRA literature
-(``fedmath.lora_aggregators``): ``factor_mean``, ``flexlora``, ``ffa_lora`` and ``fedsa_lora``.
+(``fedmath.lora_aggregators``): ``factor_mean``, ``flexlora``, ``fedex_lora``, ``ffa_lora`` and ``fedsa_lora``.
 
 Why methods and not an aggregation option of every method: two of the aggregators change the
 *client* as well as the server (FFA-LoRA trains B alone; FedSA-LoRA keeps B at the site, so a run has
@@ -7,6 +7,8 @@ one model per site), and FlexLoRA changes what each site starts from (its own ra
 hooks a method owns (``trains``, ``members``, ``start_state``, ``aggregate_train``), so each is a thin
 registration of this class with the aggregator's name, beside ``fedavg_peft`` (the same model with
 the study's delta-SVD), and the aggregators themselves stay pure functions any method can call.
+The PAST family takes the ones that keep one global model as an option of its own
+(``train.past.lora_aggregator``, ``methods.past``): v2 and FedAvg-PEFT under each aggregator.
 
 Heterogeneous ranks (``train.lora_aggregation.site_ranks``, e.g. ``[[C1, 4], [C4, 2]]``; sites not
 named train at ``model.lora_r``): the model keeps rank ``model.lora_r`` everywhere and a rank-r_k
@@ -14,6 +16,11 @@ site starts every round from the aggregate's leading r_k directions, the others 
 rows/columns get zero gradients and AdamW leaves them zero, so the site trains exactly a rank-r_k
 LoRA (scaling alpha / ``model.lora_r``). Only an aggregator that admits it (FlexLoRA) takes a rank per
 site; the others refuse it by name when the method is built.
+
+FedEx-LoRA (``fedex_lora``) folds the residual of the factor mean into the frozen weights: the global
+member state carries the cumulative offsets as dense ``folded_base.*`` tensors
+(``fedmath.lora_aggregators.fold``), which every engine sends down as part of the start state, the
+model applies on load, the checkpoint keeps and the export package stores beside the adapters.
 
 Personalisation (``fedsa_lora``): the run keeps one model per site (shared A, adapter and classifier;
 the site's own B). Each site's model is scored on its own holdout (``own_holdout``); the global test
@@ -30,14 +37,20 @@ from pydantic import Field
 
 from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, lora_pairs
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
+from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
 from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
 from fedhisto.methods.dp_objective import objective_refusal
 from fedhisto.model.peft_model import FedHistoModel
 
 
+def base_dtype(model: FedHistoModel) -> torch.dtype:
+    """The dtype of the frozen weights a folding aggregator offsets (the encoder's)."""
+    return next((p.dtype for n, p in model.named_parameters() if n.endswith(".base_layer.weight")), torch.float32)
+
+
 class LoraAggregationConfig(Strict):
-    """[ours] Settings of the federated-LoRA aggregator methods (factor_mean, flexlora, ffa_lora, fedsa_lora)."""
+    """[ours] Settings of the federated-LoRA aggregator methods (factor_mean, flexlora, fedex_lora, ffa_lora, fedsa_lora)."""
 
     site_ranks: list[tuple[str, int]] = Field(
         [], description="[ours] a LoRA rank per site, [[client, rank], ...] (each 1..model.lora_r; "
@@ -96,10 +109,12 @@ class LoraAggregated(Method):
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         names = sorted(update.states)
-        merged, _ = aggregate_states(self.aggregator, [update.states[n] for n in names],
-                                     [update.weights[n] for n in names], model.lora_scaling, self.cfg.model.lora_r)
-        if not self.own_holdout:
-            return {GLOBAL: merged}, update.server_state
+        states, weights = [update.states[n] for n in names], [update.weights[n] for n in names]
+        if not self.own_holdout:  # one global model: FedEx-LoRA's fold goes into it (fedmath...fold)
+            return {GLOBAL: aggregate_with_fold(self.aggregator, states, weights, model.lora_scaling,
+                                                self.cfg.model.lora_r, update.starts[names[0]], base_dtype(model))
+                    }, update.server_state
+        merged, _ = aggregate_states(self.aggregator, states, weights, model.lora_scaling, self.cfg.model.lora_r)
         local = self.aggregator.local_factor
         return {n: {k: (update.states[n][k] if f".{local}." in k else v) for k, v in merged.items()}
                 for n in names}, update.server_state
@@ -108,7 +123,9 @@ class LoraAggregated(Method):
         """Under DP-SGD the clients train fedavg_peft's objective per image (the base class's). Only the tensors
         the method trains are clipped and noised (``trains``): for FFA-LoRA that is B alone, its paper's design
         for DP; FedSA-LoRA's site-kept B is noised like the rest and never released. Aggregation, rank
-        truncation and the redistributed factors are post-processing of noised states."""
+        truncation and the redistributed factors are post-processing of noised states, and so is FedEx-LoRA's
+        folded residual sum_k a_k s B_k A_k - s B' A': the server computes it from the released (noised)
+        factors, never from anything a site did not release."""
         return objective_refusal(self.cfg)
 
     # ------------------------------------------------------------ accounting

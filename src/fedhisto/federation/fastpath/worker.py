@@ -1,14 +1,17 @@
-"""A site's long-lived worker: the ClientApp hands it each message, so torch, the model and the site's
-decoded images are loaded once per node instead of once per message.
+"""A site's long-lived worker (fast path: it replaces Flower's per-message ClientApp process), so torch,
+the model and the site's decoded images are loaded once per node instead of once per message.
 
 Why: a Flower 1.42 SuperNode starts one ``flwr-clientapp`` process per message (its SuperExec
 launches it; ``flwr/supernode/runtime/run_clientapp.py`` handles exactly one message and exits), and
 a process that imports torch, transformers and peft, builds the encoder and decodes the site's
 images spends seconds before its first useful operation (measured in docs/federation.md). With a
-worker the ClientApp process imports only flwr and this module, forwards the message's RecordDict
-(Flower's own protobuf serialisation) over a Unix socket and returns the worker's reply.
+worker the ``flwr-clientapp`` the SuperExec starts is ``clientapp_launcher``, which imports only the
+standard library and hands the whole task to this process (:func:`run_task`, Flower 1.42's
+``run_clientapp`` re-implemented here). :func:`forward` hands one message's RecordDict (Flower's own
+protobuf serialisation) over the Unix socket instead, for a caller that holds the message already
+(tests' in-process Grid).
 
-Lifetime: started by ``fedhisto site`` next to the SuperNode (``--worker``, the default) and
+Lifetime: started by ``fedhisto site --fastpath`` next to the SuperNode and
 stopped with it: it exits when its parent process ends (``--parent-pid``), on SIGTERM/SIGINT, or
 when told to by nobody else. Isolation: one worker per site; it serves only the node config it
 was started with (a request naming another site, manifest, descriptors or encoder folder is refused
@@ -95,6 +98,26 @@ def call(socket_path: str, action: str, content: bytes, node_config: dict, run_c
     return body, header
 
 
+def forward(socket_path: str, action: str, content, node_config: dict, run_config: dict):
+    """One message's RecordDict handled by the worker at ``socket_path``: the reply's RecordDict, its
+    ``info`` record marking the worker (``worker-served``, ``forward_s``); an ``error`` record when the
+    worker refused the request. Raises :class:`WorkerUnavailable` when no worker answers."""
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
+
+    from fedhisto.federation.envelope import annotate
+
+    t0 = time.perf_counter()
+    body, header = call(socket_path, action, recorddict_to_proto(content).SerializeToString(), node_config,
+                        run_config)
+    if "refused" in header:
+        return RecordDict({"error": ConfigRecord({"type": "WorkerRefused", "message": str(header["refused"]),
+                                                  "traceback": ""})})
+    reply = recorddict_from_proto(ProtoRecordDict.FromString(body))
+    return annotate(reply, **{"worker-served": int(header["served"]), "forward_s": round(time.perf_counter() - t0, 4)})
+
+
 def call_task(socket_path: str, args: dict) -> int:
     """Hand a whole Flower task (token, runtime API address, TLS) to the worker; its exit code."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -139,7 +162,7 @@ def run_task(token: str, runtime_api_address: str, insecure: bool, root_certific
     from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
     from fedhisto.federation.envelope import annotate
-    from fedhisto.federation.fast_pull import patch as fast_pulls
+    from fedhisto.federation.fastpath.fast_pull import patch as fast_pulls
     from fedhisto.federation.handlers import handle
 
     fast_pulls()  # pull_task_input's object pulls retry after 0.05 s, not 1 s (fast_pull)
@@ -322,12 +345,12 @@ def serve(socket_path: str, node_config: dict, parent_pid: int | None = None, re
 
 def _warm(node_config: dict, warm: dict) -> dict:
     """The warm-up (``site.warm_up``) of the node config this worker serves; its seconds go to the log."""
-    from fedhisto.entry import study_config_file
+    from fedhisto.config.study import load_config_file
     from fedhisto.federation.site import BUILT, SiteConfig, warm_up
 
     t0 = time.perf_counter()
     sc = SiteConfig.from_node_config(node_config, {})
-    done = warm_up(sc, study_config_file(str(warm["config"])), tuple(warm.get("splits", ("optimisation",))),
+    done = warm_up(sc, load_config_file(str(warm["config"])), tuple(warm.get("splits", ("optimisation",))),
                    tuple((str(m), int(s)) for m, s in warm.get("runs", ())))
     done["total"] = round(time.perf_counter() - t0, 3)
     done["built"] = dict(BUILT)  # what warm-up built or decoded itself (not read from the node's cache)
@@ -356,7 +379,7 @@ def _answer(header: dict, body: bytes, pinned: dict, served: int, handle, from_p
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="a site's long-lived message worker (started by `fedhisto site`)")
+    ap = argparse.ArgumentParser(description="a site's long-lived message worker (started by `fedhisto site --fastpath`)")
     ap.add_argument("--socket", required=True)
     ap.add_argument("--node-config", required=True, help="JSON object: the SuperNode's node config")
     ap.add_argument("--parent-pid", type=int, default=None)
@@ -368,6 +391,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm-run", action="append", default=[], metavar="METHOD:SEED",
                     help="also build this run's model at warm-up (repeatable)")
     args = ap.parse_args(argv)
+    from fedhisto.federation.fastpath import FastpathUnsupported, require
+
+    try:
+        require()
+    except FastpathUnsupported as exc:
+        raise SystemExit(f"fedhisto site worker: {exc}") from None
     warm = None
     if args.warm_config:
         warm = {"config": args.warm_config, "splits": [s.strip() for s in args.warm_splits.split(",") if s.strip()],

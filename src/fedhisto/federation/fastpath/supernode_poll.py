@@ -1,4 +1,4 @@
-"""``flower-supernode`` with a shorter idle poll: a message waits ~0.1 s at the SuperNode instead of ~1.5 s.
+"""(Fast path) ``flower-supernode`` with a shorter idle poll: a message waits ~0.1 s at the SuperNode instead of ~1.5 s.
 
 Flower 1.42's SuperNode asks the SuperLink for a message, and when there is none sleeps a fixed 3 s
 (``time.sleep(3)`` in ``flwr/supernode/start_client_internal.py``, not configurable), and waits for a
@@ -11,11 +11,12 @@ SuperLink (five per second per site at 0.2 s). Its pulls of a message's objects 
 retry after 0.05 s instead of Flower's 1 s (``fast_pull``).
 
 The SuperExec the SuperNode launches polls for tasks every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``
-seconds (Flower's own setting, default 1.0); ``deploy.flower_env`` sets it to 0.1.
+seconds (Flower's own setting, default 1.0); ``deploy.flower_env`` sets it to 0.1 (stock
+and fast path alike: it is Flower's documented setting).
 
 ``--site-worker SOCKET`` (ours, removed before Flower parses the rest): the SuperExec then finds a
 ``flwr-clientapp`` first on PATH that hands each task to the site's worker
-(``clientapp_launcher``), so a message costs no new Python + Flower + torch process.
+(``fastpath.clientapp_launcher``), so a message costs no new Python + Flower + torch process.
 
 ``FEDHISTO_SUPERNODE_HEARTBEAT_S`` (unset: Flower's fixed 30 s) sets the interval the SuperNode
 announces and keeps between its heartbeats. The SuperLink declares a node gone after two intervals
@@ -71,19 +72,25 @@ def use_worker(socket_path: str) -> None:
     """A ``flwr-clientapp`` first on PATH (for the SuperExec this process starts) that goes to the worker."""
     from pathlib import Path
 
-    from fedhisto.federation.clientapp_launcher import REAL_VAR, WORKER_VAR
+    from fedhisto.federation.fastpath.clientapp_launcher import REAL_VAR, WORKER_VAR
 
     real = str(Path(sys.executable).parent / "flwr-clientapp")
     bin_dir = Path(socket_path).resolve().parent / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     launcher = bin_dir / "flwr-clientapp"
-    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fedhisto.federation.clientapp_launcher "$@"\n')
+    launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fedhisto.federation.fastpath.clientapp_launcher "$@"\n')
     launcher.chmod(0o755)
     os.environ.update({WORKER_VAR: str(Path(socket_path).resolve()), REAL_VAR: real,
                        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"})
 
 
 def main() -> None:
+    from fedhisto.federation.fastpath import FastpathUnsupported, require
+
+    try:
+        require()  # the patches below name Flower 1.42's internals
+    except FastpathUnsupported as exc:
+        raise SystemExit(f"fedhisto fast SuperNode: {exc}") from None
     argv = sys.argv[1:]
     if "--site-worker" in argv:
         i = argv.index("--site-worker")
@@ -92,7 +99,7 @@ def main() -> None:
     patch(float(os.environ.get(POLL_VAR, "0.2")))
     if os.environ.get(HEARTBEAT_VAR):
         set_heartbeat(float(os.environ[HEARTBEAT_VAR]))
-    from fedhisto.federation.fast_pull import patch as fast_pulls
+    from fedhisto.federation.fastpath.fast_pull import patch as fast_pulls
 
     fast_pulls(("flwr.supernode.start_client_internal",))  # its pulls from the SuperLink retry after 0.05 s
     from flwr.supernode.cli import flower_supernode
