@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,16 @@ def test_audit_conditions_train_score_and_summarise(prepared: dict, audit_cfg, t
 
 def test_ffa_lora_is_audited_by_default_beside_v2_and_fedavg_peft():
     assert load_config({}).experiments.privacy_audit.methods == ["fedavg_peft", "past_v2", "ffa_lora"]
+
+
+def test_an_audited_federation_refuses_a_method_dp_sgd_cannot_train_by_name():
+    # the audit's derived config is a run's config: the DP capability checks apply to it as to the main one
+    from fedhisto.config.study import ConfigError, load_config
+    from fedhisto.experiments.privacy_audit import privacy_audit_conditions, privacy_audit_config
+
+    cfg = load_config({})
+    private = privacy_audit_conditions(cfg)[1]
+    assert privacy_audit_config(cfg, private, "fedavg_peft").privacy.enabled
+    with pytest.raises(ConfigError, match=rf"(?s)privacy_audit condition {re.escape(private)}, method fedstain: .*"
+                                          r"method 'fedstain' cannot train under DP-SGD: its loss does not decompose"):
+        privacy_audit_config(cfg, private, "fedstain")

@@ -28,13 +28,13 @@ from fedhisto.config.study import Config
 
 def arm_config(cfg: Config, aggregator: str, method: str, seed: int) -> Config:
     """The main config with one method and seed trained under ``aggregator`` (no other run, no bootstrap)."""
-    from fedhisto.config.study import load_config
+    from fedhisto.entry import study_config  # a run's config: the DP capability checks included
 
     raw = json.loads(cfg.model_dump_json())
     raw["train"].update(methods=[method], ablations=[], ablation_seeds=[], comparator_seeds=None, seeds=[seed])
     raw["train"].setdefault("past", {})["lora_aggregator"] = aggregator
     raw["bootstrap"]["comparisons"] = {}
-    return load_config(raw)
+    return study_config(raw, source=f"lora_aggregation arm {aggregator}/{method}/seed{seed}")
 
 
 def update_spectrum(state: dict, scaling: float, rank: int) -> dict[str, Any]:

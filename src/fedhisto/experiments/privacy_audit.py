@@ -91,7 +91,7 @@ def privacy_audit_config(cfg: Config, condition: str, method: str) -> Config:
     """The config of one audited federation: the main one with the audit's rounds and seed, the sequential
     engine, one method, and (a ``sigma<v>`` condition) DP-SGD at noise multiplier v with the audit's q, C,
     delta, noised prototypes and a secret noise seed."""
-    from fedhisto.config.study import load_config
+    from fedhisto.entry import study_config  # a run's config: the DP capability checks included
 
     a = cfg.experiments.privacy_audit
     raw = json.loads(cfg.model_dump_json())
@@ -106,7 +106,7 @@ def privacy_audit_config(cfg: Config, condition: str, method: str) -> Config:
                           "prototypes": "noised", "noise_seed": "secret"}
     else:
         raise ValueError(f"unknown privacy_audit condition {condition!r} (conditions: {privacy_audit_conditions(cfg)})")
-    return load_config(raw)
+    return study_config(raw, source=f"privacy_audit condition {condition}, method {method}")
 
 
 def privacy_audit_block(cfg: Config, condition: str | None = None) -> dict:
