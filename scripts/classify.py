@@ -11,4 +11,5 @@ if "snakemake" in globals():
     c = from_snakemake(smk).classify
     call("fedhisto.classify.stage:run_classify", smk.input.package, smk.params.images, smk.output.predictions,
          descriptor=c.descriptor, calibrate=c.calibrate, uncertain_below=c.uncertain_below,
+         false_flag_rate=c.false_flag_rate,
          contact_sheet=smk.output.sheet, threads=smk.threads, log_path=smk.log[0])
