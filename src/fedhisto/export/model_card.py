@@ -43,10 +43,10 @@ def encoder_training(cfg, enc: dict) -> str:
     pre = cfg.model.pretrain
     if entry.pretrainable and pre.enabled:
         if pre.objective == "synthetic_supervised":
-            return (f"pretrained by this pipeline (stage pretrain, {pre.epochs} epochs) on a disjoint pool of "
+            return (f"pretrained by this pipeline (stage pretrain, {pre.epochs} epoch(s)) on a disjoint pool of "
                     f"{pre.images_per_class} synthetic images per class rendered with the training sites' stains: "
                     "it has never seen real tissue")
-        return (f"pretrained by this pipeline (stage pretrain, SimCLR, {pre.epochs} epochs) on the training sites' "
+        return (f"pretrained by this pipeline (stage pretrain, SimCLR, {pre.epochs} epoch(s)) on the training sites' "
                 "optimisation images")
     if entry.hub_id is None or enc.get("random_initialisation"):
         return "randomly initialised (not pretrained): its features carry no learned tissue knowledge"
