@@ -166,7 +166,12 @@ def run_status(predictions_dir: Path) -> str:
 
 
 def _measure(task: tuple[np.ndarray, pd.DataFrame, int, int, float]) -> dict:
-    return representation_row(*task)
+    """One representation, on one BLAS thread: Snakemake sets OMP_NUM_THREADS to the job's threads, and two
+    workers with two spinning BLAS threads each burnt 10x the CPU of one thread each on a loaded host."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        return representation_row(*task)
 
 
 def robustness_rows(runs: list[tuple], manifest_csv: str | Path, resamples: int, seed: int,
@@ -204,7 +209,7 @@ def robustness_rows(runs: list[tuple], manifest_csv: str | Path, resamples: int,
                  f"{r['ri']:.3f}" if "ri" in r else "n/a", f"{r['apd']:.3f}" if "apd" in r else "n/a")
     return rows, skipped
 
-def _num(v) -> float | None:
+def number(v) -> float | None:
     return None if v in ("", None) else float(v)
 
 
@@ -212,16 +217,16 @@ def _seed_means(rows: list[dict], key: str) -> dict[str, dict[int, float]]:
     """method -> seed -> the mean over the run's models of ``key`` (adapted rows with a value)."""
     out: dict[str, dict[int, list[float]]] = {}
     for r in rows:
-        if r["encoder_state"] == "adapted" and _num(r.get(key)) is not None:
-            out.setdefault(r["method"], {}).setdefault(int(r["seed"]), []).append(_num(r[key]))
+        if r["encoder_state"] == "adapted" and number(r.get(key)) is not None:
+            out.setdefault(r["method"], {}).setdefault(int(r["seed"]), []).append(number(r[key]))
     return {m: {s: float(np.mean(v)) for s, v in seeds.items()} for m, seeds in out.items()}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per method (adapted), the mean and sample SD over seeds of RI and APD; the frozen encoder first."""
     ri, apd_ = _seed_means(rows, "ri"), _seed_means(rows, "apd")
-    out = [{"method": r["method"], "encoder_state": "frozen", "seeds": "", "ri_mean": _num(r.get("ri")), "ri_sd": None,
-            "apd_mean": _num(r.get("apd")), "apd_sd": None} for r in rows if r["encoder_state"] == "frozen"]
+    out = [{"method": r["method"], "encoder_state": "frozen", "seeds": "", "ri_mean": number(r.get("ri")), "ri_sd": None,
+            "apd_mean": number(r.get("apd")), "apd_sd": None} for r in rows if r["encoder_state"] == "frozen"]
     for method in dict.fromkeys(r["method"] for r in rows if r["encoder_state"] == "adapted"):
         entry = {"method": method, "encoder_state": "adapted",
                  "seeds": " ".join(map(str, sorted(ri.get(method, {}))))}
