@@ -1,6 +1,7 @@
 """Site robustness (``results/metrics/robustness.csv``): the numbers are croma's, called here directly on the
 same embeddings (read back with safetensors, not our reader), with the manifest frame and the APD schedule
-written afresh in the test; the frozen encoder's embeddings are the plain encoder's; the report draws them."""
+written afresh in the test; the frozen encoder's embeddings are the plain encoder's; the report draws them; and the methods guide's reading
+is the renderer's output on the committed rows."""
 
 from __future__ import annotations
 
@@ -213,3 +214,11 @@ def test_the_report_draws_the_table_and_figure(tmp_path):
     assert (tmp_path / "robustness.png").stat().st_size > 10_000
     assert (tmp_path / "robustness.png.prov.json").exists() and "Site robustness" in (tmp_path / "robustness.md").read_text()
 
+
+def test_the_methods_guide_reading_is_the_renderers_output_on_the_committed_rows():
+    from fedhisto.metrics.robustness_reading import read_robustness_csv, replace_block, robustness_reading
+
+    guide = (REPO / "docs/methods.md").read_text()
+    rows = read_robustness_csv(REPO / "docs/experiments/robustness_embedded_default.csv")
+    assert replace_block(guide, "robustness", robustness_reading(rows)) == guide
+    assert "Reading:" in robustness_reading(rows)
