@@ -39,11 +39,14 @@ s B A for any invertible r x r M. The factor mean drifts away from the balanced 
 every other method (B^T B = A A^T = S / s), so each pair is refactorised to that split, which is an exact
 change of basis of the same product: with B = Q_B R_B, A^T = Q_A R_A and s R_B R_A^T = U S V^T,
     B' = Q_B U sqrt(S / s) = B M,   A' = sqrt(S / s) V^T Q_A^T = M^-1 A,   M = R_B^-1 U sqrt(S / s)
-(``rebalance``). Every variate of the pair is transported with it, c_B' = c_B M and c_A' = M^-1 c_A
-(``transport``): a local step moves the factors by -eta_l (c - c_i) and, to first order, s B A by
--eta_l s (D_B A + B D_A) with D = c - c_i; after the change of basis that effect is unchanged exactly
-(D_B M M^-1 A + B M M^-1 D_A), so the correction acts on the model's function as it did before the
-refactorisation. A pair whose factor mean is rank-deficient (a factor still at 0) is left as it is.
+(``rebalance``). Every variate of the pair is transported with it as a gradient is, c_B' = c_B M^-T and
+c_A' = M^T c_A (``transport``): a variate is a mean local gradient (option II in gradient units), and
+by the chain rule the gradient of any loss at the same point is, in the new factors, dL/dB' =
+dL/dB M^-T and dL/dA' = M^T dL/dA. The data gradient g_i a client computes after the change of basis
+is in those coordinates, so only this rule keeps g_i - c_i + c an estimate of the global gradient
+(the rule of a parameter displacement, c_B M and M^-1 c_A, does not: with exact variates on an
+unbalanced pair the corrected direction is then off by orders of magnitude). A pair whose factor
+mean is rank-deficient (a factor still at 0) is left as it is.
 
 ``train.scaffold.variates: start_gradient`` [ours] keeps the variates in gradient units by another
 route: each participant uploads, before training, the full-data gradient of its class-balanced CE at
@@ -160,10 +163,10 @@ def rebalance(a: torch.Tensor, b: torch.Tensor, scaling: float, rtol: float = 1e
 
 
 def transport(variate: State, a_key: str, b_key: str, m: torch.Tensor, m_inv: torch.Tensor) -> None:
-    """A pair's variates into the new basis, in place: c_B' = c_B M, c_A' = M^-1 c_A."""
+    """A pair's variates into the new basis, in place, as gradients move: c_B' = c_B M^-T, c_A' = M^T c_A."""
     dtype = variate[a_key].dtype
-    variate[a_key] = (m_inv.to(variate[a_key].device) @ variate[a_key].double()).to(dtype)
-    variate[b_key] = (variate[b_key].double() @ m.to(variate[b_key].device)).to(dtype)
+    variate[a_key] = (m.T.to(variate[a_key].device) @ variate[a_key].double()).to(dtype)
+    variate[b_key] = (variate[b_key].double() @ m_inv.T.to(variate[b_key].device)).to(dtype)
 
 
 def start_gradient(model: FedHistoModel, data: Split, cfg, device: torch.device) -> State:
