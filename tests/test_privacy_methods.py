@@ -127,6 +127,7 @@ def test_the_accounted_sensitivity_is_the_clip_norm_given_public_class_counts():
 
     t = Config().train
     model = _Linear()
+    every = {n: None for n, _ in model.named_parameters()}
     g = torch.Generator().manual_seed(4)
     labels = torch.tensor([0] * 12 + [1] * 3 + [2])  # one image of class 2: removing it drops the class
     views = torch.rand(len(labels), 1, 3, 4, 4, generator=g, dtype=torch.float64)
@@ -136,12 +137,12 @@ def test_the_accounted_sensitivity_is_the_clip_norm_given_public_class_counts():
         return class_balanced_weights(counts, t.cb_beta, t.cb_cap).double()
 
     def clipped_sum(keep, w, clip):
-        grads = per_image_gradients(model, ImageCE(w), views[keep], labels[keep], dropout="off")
+        grads = per_image_gradients(model, ImageCE(w), views[keep], labels[keep], trained=every, dropout="off")
         return torch.cat([v.reshape(-1) for v in clip_and_sum(grads, clip)[0].values()])
 
     everyone = torch.arange(len(labels))
     w_public = weights(everyone)
-    norms = per_image_gradients(model, ImageCE(w_public), views, labels, dropout="off")
+    norms = per_image_gradients(model, ImageCE(w_public), views, labels, trained=every, dropout="off")
     clip = float(torch.cat([v.reshape(len(labels), -1) for v in norms.values()], 1).norm(dim=1).max())
     full = clipped_sum(everyone, w_public, clip)  # C = the largest norm: no term is scaled, one is exactly C
     worst_public, worst_recomputed = 0.0, 0.0

@@ -41,6 +41,7 @@ from fedhisto.data.device_views import device_views
 from fedhisto.data.splits import Split
 from fedhisto.data.views import training_views
 from fedhisto.fedmath.aggregate import aggregate
+from fedhisto.fedmath.lora_aggregators.fold import trainable_part
 from fedhisto.fedmath.weights import SampleMass
 from fedhisto.methods.dp_objective import PrivateObjective, image_ce
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
@@ -259,10 +260,13 @@ class Method:
             out.append(f"local gradients clipped to norm {plan.grad_clip:g}; {a.source} does not clip")
         return [f"{self.name}: {d}" for d in out]
 
-    def trains(self, name: str) -> bool:
-        """Whether the sites' optimiser updates the trainable tensor ``name`` (default: every one; FFA-LoRA
-        keeps A at its shared initialisation). A tensor it does not train still travels and is aggregated."""
-        return True
+    def trained(self, start_state: dict[str, torch.Tensor], payload: dict[str, Any]) -> dict[str, torch.Tensor | None]:
+        """What a participant trains this round, declared: the names of the tensors of its ``start_state`` its
+        optimiser updates, each with a 0/1 mask of the tensor's shape where a block is structurally zero (None:
+        every entry). Default: every trainable tensor, unmasked. Every engine trains exactly these (a tensor not
+        named gets no gradient: FFA-LoRA's frozen A), and DP-SGD differentiates, clips and noises exactly these
+        (``fedhisto.privacy``). A tensor not trained still travels and is aggregated."""
+        return dict.fromkeys(trainable_part(start_state))
 
     # ----------------------------------------------------------- server half
     def start_state(self, members: dict[str, dict[str, torch.Tensor]], participant: str) -> dict[str, torch.Tensor]:

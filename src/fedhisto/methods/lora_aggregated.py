@@ -88,9 +88,10 @@ class LoraAggregated(Method):
         return out
 
     # ------------------------------------------------------------------ hooks
-    def trains(self, name: str) -> bool:
+    def trained(self, start_state, payload):
+        """FFA-LoRA: every trainable tensor but the frozen A."""
         frozen = self.aggregator.frozen_factor
-        return not (frozen and f".{frozen}." in name)
+        return {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
 
     def members(self, participants: Sequence[str]) -> list[str]:
         return sorted(participants) if self.own_holdout else [GLOBAL]

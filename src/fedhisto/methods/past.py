@@ -175,10 +175,10 @@ class PastFamily(Method):
                                      update.starts[names[0]], base_dtype(model))
         return {GLOBAL: merged}, update.server_state
 
-    def trains(self, name: str) -> bool:
+    def trained(self, start_state, payload):
         """Under ``lora_aggregator: ffa_lora`` the sites keep A at its shared initialisation (FFA-LoRA)."""
         frozen = self.lora_aggregator.frozen_factor if self.lora_aggregator is not None else None
-        return not (frozen and f".{frozen}." in name)
+        return {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
 
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
         """Table 8: the study's exchange, or what the chosen LoRA aggregator sends (``message_bytes``)."""

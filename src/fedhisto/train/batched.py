@@ -343,9 +343,17 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                          "different folded base deltas; use train.engine: sequential")
     model.fold_base(starts[0][1])
     params = stack_states([s for s, _ in starts], device)
+    declared = [method.trained(j.start_state, j.payload) for j in jobs]  # what each member trains (Method.trained)
+    if unknown := sorted(set(declared[0]) - set(params)):
+        raise ValueError(f"{method.name}: declares trained tensors that are not in the start state: {unknown[:3]}")
+    if any(set(d) != set(declared[0]) for d in declared[1:]):
+        raise ValueError(f"{method.name}: the batched engine steps every member's tensors together, but the members "
+                         "declare different trained tensors; use train.engine: sequential")
     for n, p in params.items():  # a tensor the method does not train (a frozen LoRA factor): no gradient, no step
-        p.requires_grad_(method.trains(n))
+        p.requires_grad_(n in declared[0])
     trained = {n: p for n, p in params.items() if p.requires_grad}
+    masks = {n: torch.stack([d[n].to(device, torch.float32) if d[n] is not None else torch.ones_like(trained[n][0])
+                             for d in declared]) for n in trained if any(d[n] is not None for d in declared)}
     opt = STACKED_OPTIMIZERS["adamw" if plan.optimizer == "adam" else plan.optimizer](trained, plan.lr, plan.weight_decay)
     kept = keeps_state(cfg)
     if any(j.optimizer_state is not None for j in jobs):
@@ -402,6 +410,8 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 due = [m in active and steps_now(b, len(batches[m]), plan.accumulation) for m in range(n_members)]
                 if any(due):
                     mask = torch.tensor(due, device=device)
+                    for n, m in masks.items():  # a member's structurally zero block (its declared mask) stays 0
+                        trained[n].grad.mul_(m)
                     if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
                         clip_per_member(trained, plan.grad_clip, mask)
                     opt.step(mask)

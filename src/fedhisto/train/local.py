@@ -25,10 +25,12 @@ from fedhisto.train.plan import (
     MemberJob,
     batch_of,
     check_optimizer,
+    declared_trained,
     epoch_batches,
     local_run,
     seed_round,
     steps_now,
+    train_only,
 )
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # sgd: no momentum
@@ -47,12 +49,14 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
     seed_round(job)
     model.load_trainable_state(start_state)
     model.train()
-    # a tensor the method does not train (a frozen LoRA factor) stays out of the optimiser and the clipping norm
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad and method.trains(n)}
+    # exactly what the method declares it trains: a tensor it does not (a frozen LoRA factor) gets no gradient,
+    # stays out of the optimiser and the clipping norm; a masked block's gradient is projected to 0
+    params, trained = declared_trained(method, model, job)
+    masks = {n: m.to(device) for n, m in trained.items() if m is not None}
     opt = make_optimizer(plan, params, job, cfg)
     run = local_run(model, job, cfg, plan, device, params)
     losses, updates = LossMeans(), 0
-    with method.local_session(run):
+    with train_only(model, params), method.local_session(run):
         for epoch in range(plan.epochs):
             opt.zero_grad(set_to_none=True)
             batches = epoch_batches(job, epoch, plan.micro_batch)
@@ -60,6 +64,9 @@ def local_train(method: Method, model: FedHistoModel, start_state: dict[str, tor
                 terms = method.batch_terms(run, batch_of(job, plan, epoch, b, idx, device))
                 (sum(terms.values()) / plan.accumulation).backward()
                 if steps_now(b, len(batches), plan.accumulation):
+                    for n, m in masks.items():
+                        if params[n].grad is not None:
+                            params[n].grad.mul_(m)
                     if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
                         torch.nn.utils.clip_grad_norm_(params.values(), plan.grad_clip)
                     opt.step()

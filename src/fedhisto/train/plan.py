@@ -9,6 +9,8 @@ which the optimiser steps, and the per-micro-batch means of the loss terms that 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,34 @@ def local_run(model: FedHistoModel, job: MemberJob, cfg: Config, plan: LocalSche
                                                                         t.readings.ce_weight_normalisation).to(device),
                     nominal_batch=plan.micro_batch, cfg=cfg, seed=job.seed, round_idx=job.round_idx,
                     client_idx=job.client_idx, device=device)
+
+
+def declared_trained(method: Method, model: FedHistoModel, job: MemberJob
+                     ) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.Tensor | None]]:
+    """The job's declaration (``Method.trained``) checked against the model: the declared parameters in
+    the model's order, and the declaration in that order (name -> mask or None)."""
+    decl = method.trained(job.start_state, job.payload)
+    own = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    unknown = sorted(set(decl) - set(own))
+    if unknown:
+        raise ValueError(f"{method.name}: declares trained tensors that are not trainable tensors of the model: "
+                         f"{unknown[:3]}")
+    params = {n: p for n, p in own.items() if n in decl}
+    return params, {n: decl[n] for n in params}
+
+
+@contextmanager
+def train_only(model: FedHistoModel, params: dict[str, torch.nn.Parameter]) -> Iterator[None]:
+    """Within: the model's trainable tensors outside ``params`` take no gradient (FFA-LoRA's frozen A is
+    never differentiated); restored after, so the trainable state keeps its names."""
+    others = [p for n, p in model.named_parameters() if p.requires_grad and n not in params]
+    for p in others:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in others:
+            p.requires_grad_(True)
 
 
 def epoch_batches(job: MemberJob, epoch: int, micro: int) -> list[np.ndarray]:

@@ -36,7 +36,15 @@ from fedhisto.privacy.releases import noised_prototypes, prototype_sigma, releas
 from fedhisto.privacy.site_dpsgd import DPSite
 from fedhisto.train.local import OPTIMIZERS, kept_state, make_optimizer
 from fedhisto.train.loop import RunStopped
-from fedhisto.train.plan import LocalResult, MemberJob, check_optimizer, local_run, seed_round
+from fedhisto.train.plan import (
+    LocalResult,
+    MemberJob,
+    check_optimizer,
+    declared_trained,
+    local_run,
+    seed_round,
+    train_only,
+)
 
 
 def _seed_for(run_seed: int, client_idx: int) -> int:
@@ -113,7 +121,7 @@ class PrivateSites:
         seed_round(job)  # the per-sample dropout masks draw from the round's torch stream
         model.load_trainable_state(start_state)
         model.train()
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad and method.trains(n)}
+        params, trained = declared_trained(method, model, job)  # the only tensors clipped, noised and stepped
         opt = make_optimizer(plan, params, job, cfg)
         run = local_run(model, job, cfg, plan, device, params)
         objective = method.private_objective(run)
@@ -126,8 +134,8 @@ class PrivateSites:
             inputs = method.batch_inputs(run, Batch(images, y, epoch, round_idx * plan.epochs + epoch, step[0]))
             return torch.stack([v.to(device) for v in inputs.views], dim=1), y
 
-        with method.local_session(run):  # a term without data (its gradient) joins after the noise
-            site.train_round(round_idx, model, opt, objective.unit_loss, fetch, descriptor=run.descriptor,
+        with train_only(model, params), method.local_session(run):  # a data-free term's gradient joins after the noise
+            site.train_round(round_idx, model, opt, objective.unit_loss, fetch, trained, descriptor=run.descriptor,
                              data_free_gradient=lambda: objective.data_free_gradient(params), device=device,
                              on_step=lambda s: step.__setitem__(0, s))
         return LocalResult(model.trainable_state(), len(data), {}, site.steps_per_round(), kept_state(opt, params, cfg))
