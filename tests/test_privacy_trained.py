@@ -1,13 +1,17 @@
 """DP-SGD clips and noises exactly the tensors a method trains: FFA-LoRA's frozen A is never given a
 gradient, never clipped or noised (each image's clipping norm is that of B and the other trained tensors
-alone, checked against single-image autograd passes), in either engine."""
+alone, checked against single-image autograd passes), in either engine; a FlexLoRA site at rank r_k keeps
+the padded rows of A and columns of B exactly 0 under DP, so it trains a rank-r_k adapter and Table 8's
+rank-r_k traffic is what it sends."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import train
 from test_privacy_training import dp_cfg
 
 import fedhisto.privacy.dpsgd as dpsgd
@@ -109,3 +113,40 @@ def test_ffa_lora_never_gives_a_a_gradient_in_either_engine(prepared: dict, engi
     for res, job in zip(results, jobs, strict=False):
         assert all(torch.equal(res.state[k], job.start_state[k]) for k in res.state if A in k)
     assert [n for n, p in model.named_parameters() if A in n and p.grad is not None] == []
+
+
+def test_a_flexlora_site_keeps_its_rank_under_dp(prepared: dict, tmp_path: Path, monkeypatch):
+    """C1 at rank 2 in a rank-8 model, two DP rounds: after its DP steps the padded rows of A and columns of
+    B are exactly 0 (noise never reaches them), every s B A of C1 has rank <= 2, and Table 8's rank-2 factors
+    are all of C1's nonzero LoRA entries."""
+    from fedhisto.train.private import PrivateSites
+
+    returned: dict[str, list[dict[str, torch.Tensor]]] = {}
+    real = PrivateSites.local_train
+
+    def spy(self, name, *args, **kwargs):
+        res = real(self, name, *args, **kwargs)
+        returned.setdefault(name, []).append(res.state)
+        return res
+
+    monkeypatch.setattr(PrivateSites, "local_train", spy)
+    raw = json.loads(dp_cfg(prepared, rounds=2, methods=("flexlora",)).model_dump_json())
+    raw["train"]["lora_aggregation"] = {"site_ranks": [["C1", 2]]}
+    cfg = study_config(raw)
+    train(prepared, "flexlora", tmp_path / "flex", cfg=cfg)
+    assert len(returned["C1"]) == 2
+    r, model_rank = 2, cfg.model.lora_r
+    for state in returned["C1"]:
+        pairs = [(k, k.replace("lora_A", "lora_B")) for k in state if A in k]
+        assert pairs
+        for a_key, b_key in pairs:
+            a, b = state[a_key], state[b_key]
+            assert a[r:].abs().max() == 0, f"{a_key}: rows beyond rank {r} moved under DP"
+            assert b[:, r:].abs().max() == 0, f"{b_key}: columns beyond rank {r} moved under DP"
+            assert int(torch.linalg.matrix_rank(b.double() @ a.double())) <= r
+        # Table 8 counts C1's factors at rank 2 (down and up): exactly its nonzero LoRA block
+        method = build_method("flexlora", cfg)
+        counted = method.model_bytes(state, ["C1"])
+        lora = sum(state[a].numel() + state[b].numel() for a, b in pairs) * r // model_rank * 4
+        rest = sum(t.numel() * t.element_size() for k, t in state.items() if ".lora_" not in k)
+        assert counted == 2 * (lora + rest)

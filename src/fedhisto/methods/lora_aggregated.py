@@ -12,10 +12,13 @@ The PAST family takes the ones that keep one global model as an option of its ow
 
 Heterogeneous ranks (``train.lora_aggregation.site_ranks``, e.g. ``[[C1, 4], [C4, 2]]``; sites not
 named train at ``model.lora_r``): the model keeps rank ``model.lora_r`` everywhere and a rank-r_k
-site starts every round from the aggregate's leading r_k directions, the others zero. Zero factor
-rows/columns get zero gradients and AdamW leaves them zero, so the site trains exactly a rank-r_k
-LoRA (scaling alpha / ``model.lora_r``). Only an aggregator that admits it (FlexLoRA) takes a rank per
-site; the others refuse it by name when the method is built.
+site starts every round from the aggregate's leading r_k directions, the others zero; the server
+tells it r_k (its payload's ``rank``) and the site declares the padded rows of A and columns of B
+structurally zero (``trained``: masks). Zero factor rows/columns get zero gradients anyway, and the
+declared masks keep them exactly zero where something else would reach them (DP-SGD's noise), so the
+site trains exactly a rank-r_k LoRA (scaling alpha / ``model.lora_r``) and sends what Table 8 counts.
+Only an aggregator that admits it (FlexLoRA) takes a rank per site; the others refuse it by name when
+the method is built.
 
 FedEx-LoRA (``fedex_lora``) folds the residual of the factor mean into the frozen weights: the global
 member state carries the cumulative offsets as dense ``folded_base.*`` tensors
@@ -88,13 +91,25 @@ class LoraAggregated(Method):
         return out
 
     # ------------------------------------------------------------------ hooks
-    def trained(self, start_state, payload):
-        """FFA-LoRA: every trainable tensor but the frozen A."""
-        frozen = self.aggregator.frozen_factor
-        return {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
-
     def members(self, participants: Sequence[str]) -> list[str]:
         return sorted(participants) if self.own_holdout else [GLOBAL]
+
+    def configure_train(self, round_idx, server_state, uploads):
+        """A site below the model's rank is told its rank r_k (its start is truncated to it, ``start_state``)."""
+        r = self.cfg.model.lora_r
+        return {n: ({"rank": self.site_ranks[n]} if self.site_ranks.get(n, r) != r else {}) for n in uploads}
+
+    def trained(self, start_state, payload):
+        """FFA-LoRA: every trainable tensor but the frozen A. A rank-r_k site (payload ``rank``): A's rows and
+        B's columns beyond r_k are declared structurally zero (masked)."""
+        frozen = self.aggregator.frozen_factor
+        out = {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
+        rank = payload.get("rank")
+        if rank is not None:
+            for a_key, b_key in lora_pairs(list(out)):
+                out[a_key], out[b_key] = truncate(torch.ones_like(start_state[a_key]),
+                                                  torch.ones_like(start_state[b_key]), rank)
+        return out
 
     def start_state(self, members, participant):
         if self.own_holdout:
