@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 from pydantic import Field
 
-from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, lora_pairs
+from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, check_frozen, lora_pairs
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
 from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
 from fedhisto.infra.settings_base import Strict
@@ -125,6 +125,7 @@ class LoraAggregated(Method):
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         names = sorted(update.states)
+        check_frozen(self.aggregator, update.states, update.starts)
         states, weights = [update.states[n] for n in names], [update.weights[n] for n in names]
         if not self.own_holdout:  # one global model: FedEx-LoRA's fold goes into it (fedmath...fold)
             return {GLOBAL: aggregate_with_fold(self.aggregator, states, weights, model.lora_scaling,

@@ -166,9 +166,11 @@ class PastFamily(Method):
             update.weights.update(zip(names, weights, strict=True))
         if self.lora_aggregator is None:
             return super().aggregate_train(update, model)
+        from fedhisto.fedmath.lora_aggregators import check_frozen
         from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
         from fedhisto.methods.lora_aggregated import base_dtype
 
+        check_frozen(self.lora_aggregator, update.states, update.starts)
         names = sorted(update.states)
         merged = aggregate_with_fold(self.lora_aggregator, [update.states[n] for n in names],
                                      [update.weights[n] for n in names], model.lora_scaling, self.cfg.model.lora_r,
