@@ -1,7 +1,8 @@
 """DP-SGD as each method's own declaration: every registered method trains one DP round on the tiny cohort
 with epsilon equal to an independent accountant's (DP-SGD and the prototype release at their own noise
 multipliers), or is refused by the reason its own file gives; the engine and fedhisto.privacy name no
-method; the clipped per-unit contribution is the sensitivity the accountant takes, given public counts."""
+method; the clipped per-unit contribution is the sensitivity the accountant takes, with the class-balanced
+weights held at their published values."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def test_the_accounted_sensitivity_is_the_clip_norm_given_public_class_counts():
     """Given the class counts (public), removing one unit moves the clipped sum by that unit's clipped
     gradient: at most C, the sensitivity the ledger accounts (noise std = sigma C). Were the weights
     recomputed from the counts without the unit, every other unit's term would move too and the change
-    would exceed C: why docs/privacy.md states the guarantee given the counts."""
+    would exceed C: why docs/privacy.md states the guarantee with the weights held at their published values
+    (neighbours never have equal counts)."""
     from fedhisto.config.study import Config
     from fedhisto.fedmath.losses import class_balanced_weights
     from fedhisto.methods.dp_objective import ImageCE

@@ -2,7 +2,8 @@
 
 DP-SGD clips each privacy unit's gradient, so it needs the local objective as a sum of per-image
 terms whose value depends on that image alone, given the round's public inputs (the start state,
-the server's payload, the site's class-balanced weights, whose counts the guarantee takes as public).
+the server's payload, the site's class-balanced weights, which the guarantee holds at their
+published values: neighbouring datasets never have equal counts).
 Each method says in its own file whether it can (``Method.dp_refusal``: None, or the reason it
 cannot) and what that objective is (``Method.private_objective``): the loss of ONE image from its
 views' outputs, written so ``vmap`` can map it, and the gradient of any term without data (it joins
