@@ -215,3 +215,24 @@ def test_comparators_under_the_studys_adamw_are_marked_and_under_their_own_optim
     paper = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "fedstain"],
                                    "fedstain": {"protocol": "paper"}}})
     assert method_caveats(paper) == {}
+
+
+@pytest.mark.parametrize("method", ["scaffold", "fedstain", "fedavg_peft"])
+def test_the_report_names_the_local_optimiser_learning_rate_and_schedule_the_run_trained_with(prepared, tmp_path,
+                                                                                              method):
+    """SCAFFOLD trains with plain SGD at train.scaffold.local_lr (0.1), FedStain's paper protocol with Adam and a
+    learning rate decayed linearly from 1e-4 to 2.5e-6 over the rounds, FedAvg-PEFT with the study's AdamW at
+    train.lr: report.json says so, round by round, without reading the method's file."""
+    raw = {**TINY, "train": {**TINY["train"], "max_rounds": 3, "local_epochs": 1, "patience": 10,
+                             "fedstain": {"protocol": "paper", "paper_local_epochs": 1}}}
+    cfg = load_config(raw)
+    train(prepared, method, tmp_path / method, cfg=cfg)
+    got = json.loads((tmp_path / method / "report.json").read_text())["local_schedule"]
+    t = cfg.train
+    expected = {"scaffold": ("sgd", [0.1, 0.1, 0.1], 0.0, None, 1),
+                "fedstain": ("adam", [1e-4, (1e-4 + 2.5e-6) / 2, 2.5e-6], 0.0, t.grad_clip, 1),
+                "fedavg_peft": ("adamw", [t.lr] * 3, t.weight_decay, t.grad_clip, t.local_epochs)}[method]
+    assert (got["optimizer"], got["weight_decay"], got["grad_clip"], got["epochs"]) == (
+        expected[0], expected[2], expected[3], expected[4])
+    assert got["lr"] == pytest.approx(expected[1][0], rel=1e-12)
+    assert got["lr_by_round"] == pytest.approx(expected[1], rel=1e-12)

@@ -47,7 +47,7 @@ from fedhisto.model.build import build_model, descriptor_digest
 from fedhisto.train.local import LocalResult
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable, run_rounds
 from fedhisto.train.optimizer_state import federation_refusal
-from fedhisto.train.stage import STAGE, finalise_run, run_identity
+from fedhisto.train.stage import STAGE, finalise_run, run_identity, schedule_record
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,8 @@ class FederatedRun:
             raise ClientFailure(",".join(self.eval_sites), ckpt["round"],
                                 RuntimeError("the evaluation sites' validation rows overlap (same sample id twice)"))
         stacked = {m: torch.cat(ps)[order] for m, ps in probs.items()}
-        return finalise_run(self.out, ckpt, self.summary(), [ids[i] for i in order], [labels[i] for i in order],
+        summary = {**self.summary(), "local_schedule": schedule_record(self.method, ckpt["round"])}
+        return finalise_run(self.out, ckpt, summary, [ids[i] for i in order], [labels[i] for i in order],
                             stacked, {"dataset_identity": self.identity["dataset_identity"], "engine": "flower"})
 
     def evaluate(self, ex: Exchange, ckpt: dict, targets: list, out_dir: str | Path) -> dict:

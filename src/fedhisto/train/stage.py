@@ -5,13 +5,15 @@
   resumed only when its identity equals the run's (method, seed, training settings, dataset,
   descriptors, encoder). It is deliberately not a Snakemake output, so a killed job keeps it;
 - ``history.csv``: per round validation macro-F1, client weights, losses, unavailable clients, wall time;
-- ``report.json`` (finalised) or ``failure.json`` (what failed, where; no score imputed);
+- ``report.json`` (finalised) or ``failure.json`` (what failed, where; no score imputed); the report
+  names the local optimiser, learning rate and schedule the participants trained with (``local_schedule``);
 - ``status.json``: always written last, the Snakemake target.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -56,6 +58,14 @@ def run_identity(cfg: Config, method: Method, seed: int, dataset_identity: str, 
 def descriptors_for(method: Method, descriptors_json: str | Path, participants: list[str]) -> dict:
     doc = json.loads(Path(descriptors_json).read_text()) if method.film else None
     return method.descriptors(doc, participants)
+
+
+def schedule_record(method: Method, rounds: int) -> dict:
+    """What the participants' local steps were (``report.json``'s ``local_schedule``): the method's own
+    ``LocalSchedule`` of round 1 (optimiser, learning rate, weight decay, epochs, batches, clipping), and
+    the learning rate of every round run (a schedule that decays it, e.g. FedStain's paper protocol)."""
+    return {**dataclasses.asdict(method.local_schedule(0)),
+            "lr_by_round": [method.local_schedule(r).lr for r in range(rounds)]}
 
 
 def validate_outcome(ckpt: dict, metric: float) -> list[str]:
@@ -178,6 +188,7 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
                                          "dataset_identity": dataset_identity, "provenance": prov})
         return {**summary, **failure}
     status_extra = {"dataset_identity": dataset_identity}
+    summary["local_schedule"] = schedule_record(m, ckpt["round"])
     if private is not None:
         private.stop_reason = private.stop_reason or ckpt.get("stop_reason")
         summary["privacy"] = private.summary()
