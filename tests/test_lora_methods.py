@@ -92,7 +92,7 @@ def test_flexlora_trains_a_rank_one_site_at_rank_one(prepared: dict, tmp_path: P
 
     model = build_model(cfg, method, 11, None)
     data = load_partitions(prepared["manifest"], cfg.views.crop_size, splits=("optimisation",))["C1"]
-    result = local_train(method, model, start, data, None, {}, cfg, 11, 2, 0, torch.device("cpu"))
+    result = local_train(method.objective, model, start, data, None, {}, cfg, 11, 2, 0, torch.device("cpu"))
     for k, v in result.state.items():
         if ".lora_A." in k:
             assert v[1:].abs().max() == 0 and not torch.equal(v[:1], start[k][:1]), k

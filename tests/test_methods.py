@@ -1,4 +1,4 @@
-"""Methods as registered strategies: registry, a method defined here running through the real engine,
+"""Methods as a registered strategy and objective: registry, a method defined here running through the real engine,
 one round of every registered method, and the engine rules every method shares (CE normalisation,
 run identity, prototype reliability)."""
 
@@ -17,17 +17,25 @@ from conftest import TINY, train
 from fedhisto.config.study import ConfigError, load_config
 from fedhisto.fedmath.prototypes import ClientPrototypes, aggregate_prototypes
 from fedhisto.methods import build_method, method_names, register, registration, unregister, wildcard_pattern
-from fedhisto.methods.base import Method, balanced_cross_entropy
+from fedhisto.methods.base import balanced_cross_entropy
+from fedhisto.methods.objective import Objective
+from fedhisto.methods.strategy import Strategy
 
 ONE_ROUND = {**TINY, "train": {**TINY["train"], "max_rounds": 1, "local_epochs": 1}}
 
 
-class HeadNormPenalty(Method):
-    """A method that exists only in this test: FedAvg-PEFT plus an L2 penalty on the classifier weights,
-    and equal client weights instead of sample mass."""
+class HeadNormObjective(Objective):
+    """Its client half: FedAvg-PEFT's objective plus an L2 penalty on the classifier weights."""
 
     def extra_terms(self, run, batch, logits, zs):
         return {"head_l2": 1e-3 * run.params["classifier.weight"].pow(2).sum()}
+
+
+class HeadNormPenalty(Strategy):
+    """A method that exists only in this test (one strategy naming its objective, one registration): equal
+    client weights instead of sample mass, and ``HeadNormObjective`` at the clients."""
+
+    objective_class = HeadNormObjective
 
     def client_weights(self, counts, updates):
         return [1.0 / len(counts)] * len(counts)
@@ -187,10 +195,11 @@ def test_fedstain_paper_protocol_switches_optimiser_epochs_batch_and_lr_schedule
     from fedhisto.methods.base import LocalSchedule
 
     study = build_method("fedstain", load_config({}))
-    assert study.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1, 5.0)  # the study's, as every method
+    assert study.objective.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1, 5.0)  # the study's
     paper = build_method("fedstain", load_config({"train": {"max_rounds": 5, "fedstain": {"protocol": "paper"}}}))
-    assert paper.local_schedule(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1, 5.0)
-    assert paper.local_schedule(4).lr == pytest.approx(2.5e-6) and paper.local_schedule(2).lr == pytest.approx(5.125e-5)
+    plan = paper.objective.local_schedule
+    assert plan(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1, 5.0)
+    assert plan(4).lr == pytest.approx(2.5e-6) and plan(2).lr == pytest.approx(5.125e-5)
     cfg = load_config({**ONE_ROUND, "train": {**ONE_ROUND["train"],
                                               "fedstain": {"protocol": "paper", "paper_local_epochs": 1}}})
     train(prepared, "fedstain", tmp_path / "paper", cfg=cfg)

@@ -44,7 +44,7 @@ def test_every_registered_method_trains_a_dp_round_or_is_refused_by_its_own_decl
     raw["privacy"]["prototype_noise_multiplier"] = PROTO_SIGMA
     plain = study_config({**raw, "privacy": {"enabled": False}})
     why = build_method(name, plain.model_copy(update={"privacy": plain.privacy.model_copy(
-        update={"prototypes": "noised"})})).dp_refusal()
+        update={"prototypes": "noised"})})).objective.dp_refusal()
     if why is not None:  # the config refuses with the method's own words, before any training
         with pytest.raises(ConfigError, match=re.escape(f"method {name!r} cannot train under DP-SGD: {why}")):
             study_config(raw)
@@ -53,7 +53,7 @@ def test_every_registered_method_trains_a_dp_round_or_is_refused_by_its_own_decl
     pytest.importorskip("opacus.accountants.analysis.rdp")
     cfg = study_config(raw)
     summary = train(prepared, name, tmp_path / name, cfg=cfg)
-    uploads = bool(build_method(name, cfg).post_uploads)
+    uploads = bool(build_method(name, cfg).objective.post_uploads)
     expected = _expected_epsilon(uploads, rounds)
     eps = summary["privacy"]["epsilon"]
     assert sorted(eps) == (["pooled"] if name == "pooled" else ["C1", "C2", "C3", "C4", "C5"])
@@ -76,29 +76,34 @@ def test_a_term_without_data_joins_after_the_noise_as_the_method_declares():
     c, c_i = {"w": torch.tensor([0.3, -0.1])}, {"w": torch.tensor([0.1, 0.4])}
     run = SimpleNamespace(params=params, start_state=start, payload={"control": c, "client_control": c_i},
                           scratch={}, device=torch.device("cpu"), ce_weights=torch.ones(3), cfg=cfg)
-    scaffold = build_method("scaffold", cfg)
+    scaffold = build_method("scaffold", cfg).objective
     with scaffold.local_session(run):
         got = scaffold.private_objective(run).data_free_gradient(params)
     torch.testing.assert_close(got["w"], cfg.train.scaffold.correction_scale * torch.tensor([0.2, -0.5]))
     first_round = SimpleNamespace(**{**vars(run), "payload": {}, "scratch": {}})  # no variates yet: no term
     with scaffold.local_session(first_round):
         assert scaffold.private_objective(first_round).data_free_gradient(params) == {}
-    fedprox = build_method("fedprox_peft", cfg)
+    fedprox = build_method("fedprox_peft", cfg).objective
     got = fedprox.private_objective(run).data_free_gradient(params)
     torch.testing.assert_close(got["w"], cfg.train.past.fedprox_mu * torch.tensor([0.5, -2.5]))
-    assert build_method("fedavg_peft", cfg).private_objective(run).data_free_gradient(params) == {}
+    assert build_method("fedavg_peft", cfg).objective.private_objective(run).data_free_gradient(params) == {}
 
 
-def test_the_engine_and_privacy_name_no_method():
+def test_the_engine_and_privacy_name_no_method_and_privacy_reads_no_requires_grad():
+    """Neither the engine nor privacy/ names a method; privacy/ decides nothing from requires_grad: what is
+    differentiated, clipped and noised is the objective's declaration, passed in."""
     words = {"past", "scaffold", "fedadam", "fedprox", "fedstain", "fedavg"} | set(method_names())
     words |= {registration(n).method_class().__name__.lower() for n in method_names()}
+    words |= {registration(n).method_class().objective_class.__name__.lower() for n in method_names()}
+    words -= {"objective"}  # the base class every default-objective method names
     pattern = re.compile("|".join(sorted(map(re.escape, words), key=len, reverse=True)), re.IGNORECASE)
     hits = [f"{path.relative_to(REPO)}:{k}: {line.strip()}"
             for folder in ("src/fedhisto/privacy", "src/fedhisto/train") for path in sorted((REPO / folder).glob("*.py"))
             for k, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
-    assert not re.search(r"isinstance\([^)]*Method|_REFUSED|_PER_SAMPLE",
-                         (REPO / "src/fedhisto/methods/dp_capability.py").read_text())
+    assert [f"{p.name}:{k}" for p in sorted((REPO / "src/fedhisto/privacy").glob("*.py"))
+            for k, line in enumerate(p.read_text().splitlines(), 1) if "requires_grad" in line] == []
+    assert not (REPO / "src/fedhisto/methods/dp_capability.py").exists()  # the refusals are the objective's own
 
 
 class _Linear(torch.nn.Module):

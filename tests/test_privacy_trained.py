@@ -82,7 +82,7 @@ def test_ffa_lora_under_dp_clips_and_noises_b_alone(prepared: dict, monkeypatch)
     g = torch.Generator().manual_seed(2)
     start = {k: v + 0.2 * torch.randn(v.shape, generator=g) if ".lora_B." in k else v
              for k, v in model.trainable_state().items()}
-    private = PrivateSites.start(cfg, method, {"C1": data}, None, 11)
+    private = PrivateSites.start(cfg, method.objective, {"C1": data}, None, 11)
     private.before_round(0, ["C1"])
     result = private.local_train("C1", model, start, None, {}, 0, 0, torch.device("cpu"))
     assert checked and clipped_keys
@@ -105,10 +105,10 @@ def test_ffa_lora_never_gives_a_a_gradient_in_either_engine(prepared: dict, engi
 
     cfg, method, model, device, jobs = round_inputs("ffa_lora")
     if engine == "batched":
-        results = batched_local_train(method, model, jobs[:2], cfg, device)
+        results = batched_local_train(method.objective, model, jobs[:2], cfg, device)
     else:
         j = jobs[0]
-        results = [local_train(method, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
+        results = [local_train(method.objective, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
                                j.round_idx, j.client_idx, device)]
     for res, job in zip(results, jobs, strict=False):
         assert all(torch.equal(res.state[k], job.start_state[k]) for k in res.state if A in k)

@@ -94,7 +94,7 @@ def test_a_participant_without_steps_is_refused_by_name():
 def test_every_optimiser_step_receives_c_minus_c_i_exactly_once(accumulation: int, n_images: int):
     """The engine backpropagates each micro-batch's terms divided by the accumulation steps and steps
     after each group (the last one shorter): the correction's gradient summed over a group is c - c_i."""
-    method = scaffold(correction_scale=1.0)
+    method = scaffold(correction_scale=1.0).objective
     method.local_schedule = lambda r: SimpleNamespace(accumulation=accumulation, lr=0.1)
     theta = torch.nn.Parameter(t(0.3, -0.7))
     c, c_i = {"p": t(0.5, 2.0)}, {"p": t(-0.25, 1.5)}
@@ -113,7 +113,7 @@ def test_every_optimiser_step_receives_c_minus_c_i_exactly_once(accumulation: in
 
 
 def test_round_one_has_no_correction_and_scale_zero_switches_it_off():
-    method = scaffold(correction_scale=0.0)
+    method = scaffold(correction_scale=0.0).objective
     run = SimpleNamespace(payload={}, device=torch.device("cpu"), scratch={}, params={}, start_state={})
     with method.local_session(run):
         assert float(method.extra_terms(run, Batch(None, None, 0, 0, 0), [], [])["scaffold"]) == 0.0
@@ -176,7 +176,8 @@ def _drift_toy(correction_scale: float, rounds: int) -> float:
     eta_l = 0.1) on f_i plus the method's correction term (``extra_terms``), and the server runs the
     method's ``client_weights`` and ``aggregate_train``. Returns the final global x."""
     method = scaffold(local_lr=0.1, correction_scale=correction_scale)
-    plan = method.local_schedule(0)
+    objective = method.objective  # the client half: local schedule and correction term
+    plan = objective.local_schedule(0)
     assert (plan.optimizer, plan.lr, plan.weight_decay, plan.grad_clip) == ("sgd", 0.1, 0.0, None)
     from fedhisto.train.local import OPTIMIZERS
 
@@ -190,11 +191,11 @@ def _drift_toy(correction_scale: float, rounds: int) -> float:
             run = SimpleNamespace(payload=payloads[name], device=torch.device("cpu"), scratch={}, params={"p": theta},
                                   start_state={"p": x["p"].clone()}, data=[None] * steps, nominal_batch=1, round_idx=r)
             opt = OPTIMIZERS[plan.optimizer]([theta], lr=plan.lr, weight_decay=plan.weight_decay)
-            with method.local_session(run):
+            with objective.local_session(run):
                 for b in range(steps):
                     opt.zero_grad()
                     loss = 0.5 * h * ((theta - o) ** 2).sum()
-                    (loss + method.extra_terms(run, Batch(None, None, 0, 0, b), [], [])["scaffold"]).backward()
+                    (loss + objective.extra_terms(run, Batch(None, None, 0, 0, b), [], [])["scaffold"]).backward()
                     opt.step()
             trained[name] = {"p": theta.detach().clone()}
         names = sorted(trained)
@@ -222,12 +223,12 @@ def test_scaffold_declares_its_papers_protocol_and_the_adamw_reading_is_marked()
     """``scaffold``: plain SGD with its own eta_l, no clipping, uniform weights: no departure. The study's
     AdamW schedule is ``scaffold_adamw``, and sample-mass weights are marked too."""
     method = scaffold(local_lr=0.05)
-    plan = method.local_schedule(3)
+    plan = method.objective.local_schedule(3)
     assert (plan.optimizer, plan.lr, plan.weight_decay, plan.grad_clip, plan.accumulation) == ("sgd", 0.05, 0.0, None, 1)
     assert method.protocol_departures() == []
     assert method.client_weights([10, 30, 60], [None] * 3) == [1 / 3] * 3
     adamw = scaffold(name="scaffold_adamw")
-    assert adamw.local_schedule(0).optimizer == "adamw" and adamw.local_schedule(0).grad_clip == 5.0
+    assert adamw.objective.local_schedule(0).optimizer == "adamw" and adamw.objective.local_schedule(0).grad_clip == 5.0
     lines = adamw.protocol_departures()
     assert len(lines) == 2 and lines[0].startswith("scaffold_adamw: local steps are adamw (lr 0.0001); "
                                                    "Karimireddy et al. 2020 (SCAFFOLD, Algorithm 1) assumes sgd")
@@ -265,10 +266,10 @@ def test_both_engines_apply_the_same_correction():
     jobs = [MemberJob(j.start_state, j.data, j.descriptor,
                       {"control": c, "client_control": {k: 0.05 * torch.randn(v.shape, generator=g) for k, v in c.items()}},
                       j.seed, j.round_idx, j.client_idx) for j in jobs]
-    sequential = [local_train(method, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed, j.round_idx,
-                              j.client_idx, device) for j in jobs]
-    batched = batched_local_train(method, model, jobs, cfg, device)
-    plain = local_train(method, model, jobs[0].start_state, jobs[0].data, jobs[0].descriptor, {}, cfg, jobs[0].seed,
+    sequential = [local_train(method.objective, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
+                              j.round_idx, j.client_idx, device) for j in jobs]
+    batched = batched_local_train(method.objective, model, jobs, cfg, device)
+    plain = local_train(method.objective, model, jobs[0].start_state, jobs[0].data, jobs[0].descriptor, {}, cfg, jobs[0].seed,
                         jobs[0].round_idx, jobs[0].client_idx, device)
     worst = max(float((s.state[k] - b.state[k]).abs().max()) for s, b in zip(sequential, batched, strict=True)
                 for k in s.state)

@@ -4,9 +4,10 @@
 Why methods and not an aggregation option of every method: two of the aggregators change the
 *client* as well as the server (FFA-LoRA trains B alone; FedSA-LoRA keeps B at the site, so a run has
 one model per site), and FlexLoRA changes what each site starts from (its own rank). Those are the
-hooks a method owns (``trains``, ``members``, ``start_state``, ``aggregate_train``), so each is a thin
-registration of this class with the aggregator's name, beside ``fedavg_peft`` (the same model with
-the study's delta-SVD), and the aggregators themselves stay pure functions any method can call.
+hooks a method owns (the objective's ``trained``; the strategy's ``members``, ``start_state``,
+``aggregate_train``), so each is a thin registration of this strategy with the aggregator's name,
+beside ``fedavg_peft`` (the same model with the study's delta-SVD), and the aggregators themselves
+stay pure functions any method can call.
 The PAST family takes the ones that keep one global model as an option of its own
 (``train.past.lora_aggregator``, ``methods.past``): v2 and FedAvg-PEFT under each aggregator.
 
@@ -42,8 +43,9 @@ from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, chec
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
 from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
 from fedhisto.infra.settings_base import Strict
-from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
-from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.base import GLOBAL, RoundUpdate
+from fedhisto.methods.objective import Objective
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -60,8 +62,38 @@ class LoraAggregationConfig(Strict):
                                           "sites not named: model.lora_r); only flexlora admits it, the others refuse")
 
 
-class LoraAggregated(Method):
+class LoraObjective(Objective):
+    """fedavg_peft's objective over what the aggregator lets a site train (``trained``).
+
+    Under DP-SGD the clients train fedavg_peft's objective per image (the base class's), and DP-SGD clips and
+    noises only the tensors declared here: for FFA-LoRA that is B alone, its paper's design for DP; for a
+    FlexLoRA site below the model's rank, its rank-r_k block (the padded block is masked); FedSA-LoRA's
+    site-kept B is noised like the rest and never released. Aggregation, rank truncation and the
+    redistributed factors are post-processing of noised states, and so is FedEx-LoRA's folded residual
+    sum_k a_k s B_k A_k - s B' A': the server computes it from the released (noised) factors, never from
+    anything a site did not release."""
+
+    def __init__(self, name, cfg, config_key=None, *, aggregator_name: str) -> None:
+        super().__init__(name, cfg, config_key)
+        self.aggregator = aggregator(aggregator_name)
+
+    def trained(self, start_state, payload):
+        """FFA-LoRA: every trainable tensor but the frozen A. A rank-r_k site (payload ``rank``): A's rows and
+        B's columns beyond r_k are declared structurally zero (masked)."""
+        frozen = self.aggregator.frozen_factor
+        out = {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
+        rank = payload.get("rank")
+        if rank is not None:
+            for a_key, b_key in lora_pairs(list(out)):
+                out[a_key], out[b_key] = truncate(torch.ones_like(start_state[a_key]),
+                                                  torch.ones_like(start_state[b_key]), rank)
+        return out
+
+
+class LoraAggregated(Strategy):
     """fedavg_peft's clients and model; the server aggregates LoRA factors with ``aggregator``."""
+
+    objective_class = LoraObjective
 
     def __init__(self, name, cfg, config_key=None, *, aggregator_name: str) -> None:
         super().__init__(name, cfg, config_key)
@@ -99,18 +131,6 @@ class LoraAggregated(Method):
         r = self.cfg.model.lora_r
         return {n: ({"rank": self.site_ranks[n]} if self.site_ranks.get(n, r) != r else {}) for n in uploads}
 
-    def trained(self, start_state, payload):
-        """FFA-LoRA: every trainable tensor but the frozen A. A rank-r_k site (payload ``rank``): A's rows and
-        B's columns beyond r_k are declared structurally zero (masked)."""
-        frozen = self.aggregator.frozen_factor
-        out = {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
-        rank = payload.get("rank")
-        if rank is not None:
-            for a_key, b_key in lora_pairs(list(out)):
-                out[a_key], out[b_key] = truncate(torch.ones_like(start_state[a_key]),
-                                                  torch.ones_like(start_state[b_key]), rank)
-        return out
-
     def start_state(self, members, participant):
         if self.own_holdout:
             return members[participant]
@@ -135,15 +155,6 @@ class LoraAggregated(Method):
         local = self.aggregator.local_factor
         return {n: {k: (update.states[n][k] if f".{local}." in k else v) for k, v in merged.items()}
                 for n in names}, update.server_state
-
-    def dp_refusal(self) -> str | None:
-        """Under DP-SGD the clients train fedavg_peft's objective per image (the base class's). Only the tensors
-        the method trains are clipped and noised (``trains``): for FFA-LoRA that is B alone, its paper's design
-        for DP; FedSA-LoRA's site-kept B is noised like the rest and never released. Aggregation, rank
-        truncation and the redistributed factors are post-processing of noised states, and so is FedEx-LoRA's
-        folded residual sum_k a_k s B_k A_k - s B' A': the server computes it from the released (noised)
-        factors, never from anything a site did not release."""
-        return objective_refusal(self.cfg)
 
     # ------------------------------------------------------------ accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:

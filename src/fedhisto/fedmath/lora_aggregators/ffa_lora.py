@@ -6,7 +6,7 @@ frozen at its shared random initialisation A_0 and only B is trained and average
 A never travels (every site builds A_0 from the run's seed, as the model's initialisation), so the
 LoRA traffic is B's alone, half of it at out = in. Designed for DP-SGD: the noise is added to B's
 gradient only, and the aggregate is the mean of what the sites computed (no cross terms amplify the
-noise). The sites keep A out of what they train (``Method.trained``: under DP-SGD A is never
+noise). The sites keep A out of what they train (``Objective.trained``: under DP-SGD A is never
 differentiated, clipped or noised); the server checks every returned A is bitwise the A_0 it
 broadcast (``check_frozen``). Equal ranks only (A_0 is shared); refused by name for a rank per site.
 """
