@@ -245,3 +245,21 @@ def test_the_report_names_the_local_optimiser_learning_rate_and_schedule_the_run
         expected[0], expected[2], expected[3], expected[4])
     assert got["lr"] == pytest.approx(expected[1][0], rel=1e-12)
     assert got["lr_by_round"] == pytest.approx(expected[1], rel=1e-12)
+
+
+def test_one_registration_builds_both_halves_and_refuses_an_option_neither_takes():
+    """The strategy and the objective it names are built from the same registration; each option goes to the
+    half whose constructor names it (PAST's switches split between them), and an unknown one is refused."""
+    cfg = load_config({})
+    v2 = build_method("past_v2", cfg)
+    assert isinstance(v2, Strategy) and isinstance(v2.objective, Objective)
+    assert (v2.film, v2.aggregation, v2.prototypes) == (True, "adaptive", "v2")
+    assert (v2.objective.paired_views, v2.objective.js, v2.objective.prototypes) == (True, True, "v2")
+    assert build_method("scaffold_adamw", cfg).objective.local_optimizer == "adamw"
+    register("head_norm_typo", HeadNormPenalty, flim=True)
+    try:
+        with pytest.raises(TypeError, match=r"method 'head_norm_typo': unexpected options \['flim'\] \(neither "
+                                            r"HeadNormPenalty nor HeadNormObjective takes them\)"):
+            build_method("head_norm_typo", cfg)
+    finally:
+        unregister("head_norm_typo")
