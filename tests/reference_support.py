@@ -266,14 +266,32 @@ def objective_terms(method, logits: list[torch.Tensor], zs: list[torch.Tensor], 
                     start_state: State | None = None, nominal_batch: int | None = None) -> dict[str, torch.Tensor]:
     """The named loss terms of one micro-batch of ``method`` from its views' logits and embeddings
     (the hook both engines call after the forward), inside the method's local session."""
-    from fedhisto.methods.base import Batch
+    from fedhisto.methods.base import Batch, training_autocast
 
     params = params or {}
+    device = torch.device("cpu")
     run = SimpleNamespace(cfg=method.cfg, ce_weights=ce_weights, nominal_batch=nominal_batch or len(y),
                           payload=payload or {}, params=params, start_state=start_state or {}, scratch={},
-                          device=torch.device("cpu"), round_idx=0, client_idx=0, seed=11)
+                          device=device, round_idx=0, client_idx=0, seed=11,
+                          autocast=lambda: training_autocast(device, method.cfg.train.precision))
     with method.local_session(run):
         return method.terms_from_outputs(run, Batch(np.arange(len(y)), y, 0, 0, 0), logits, zs)
+
+
+def restyle(method, hidden: torch.Tensor, pool: Any, rng: np.random.Generator) -> torch.Tensor:
+    """The method's feature restyling of one view's tokens (B, tokens, C) with the pooled statistics
+    ``pool`` and the view's generator, as the engines apply it after the method's restyle block."""
+    return method.restyle(hidden, (pool, rng, method.settings.mixstyle_alpha))
+
+
+def restyle_block(method, model) -> torch.nn.Module:
+    """The encoder block whose output the method restyles (and whose features its statistics describe)."""
+    return model.encoder_blocks()[method.restyle_layer()]
+
+
+def upload_before_training(method, model, start_state: State, data, seed: int) -> Any:
+    """A participant's upload before training (FedStain's statistics), from the generator of ``seed``."""
+    return method.upload_before_training(model, start_state, data, np.random.default_rng(seed), torch.device("cpu"))
 
 
 def class_weights(method, counts: list[int]) -> torch.Tensor:
@@ -341,22 +359,10 @@ def folded(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ SCAFFOLD's client step
-@contextmanager
-def corrected_steps(method, payload: dict, theta: torch.nn.Parameter, start: torch.Tensor, key: str = "p",
-                    n_steps: int = 1) -> Iterator[Callable[[int], torch.Tensor]]:
-    """Inside the method's local session for a one-tensor state ``{key: theta}``: a function of the step
-    number returning the method's extra loss terms of that optimiser step (summed)."""
-    from fedhisto.methods.base import Batch
-
-    run = SimpleNamespace(payload=payload, device=torch.device("cpu"), scratch={}, params={key: theta},
-                          start_state={key: start}, data=[None] * n_steps, nominal_batch=1, round_idx=0)
-    with method.local_session(run):
-        yield lambda b: sum(method.extra_terms(run, Batch(None, None, 0, 0, b), [], []).values())
-
-
-def corrected_pair_steps(method, payload: dict, params: dict[str, torch.nn.Parameter], start: State,
-                         n_steps: int) -> Any:
-    """As :func:`corrected_steps` for a state of several tensors (a LoRA pair)."""
+def corrected_steps(method, payload: dict, params: dict[str, torch.nn.Parameter], start: State, n_steps: int) -> Any:
+    """A context (the method's local session for a participant training ``params`` from ``start`` in
+    ``n_steps`` optimiser steps of one micro-batch each) yielding a function of the step number that
+    returns the method's extra loss terms of that step, summed (SCAFFOLD's correction)."""
     from fedhisto.methods.base import Batch
 
     run = SimpleNamespace(payload=payload, device=torch.device("cpu"), scratch={}, params=params,
@@ -515,3 +521,8 @@ def server_moments(server_state: Mapping[str, Any]) -> tuple[dict[str, np.ndarra
 def returning(states: Mapping[str, State], counts: Mapping[str, int] | int, steps: int = 3):
     """A participant's local training that returns ``states[name]`` from ``counts`` samples in ``steps``."""
     return lambda n, start, payload: (states[n], counts[n] if isinstance(counts, Mapping) else counts, steps)
+
+
+def control_variates(server_state: Mapping[str, Any]) -> tuple[State, dict[str, State]]:
+    """(c, {participant: c_i}) of SCAFFOLD's server state (the server keeps every c_i on the sites' behalf)."""
+    return server_state["c"], server_state["clients"]
