@@ -398,6 +398,8 @@ class DPRound:
     ce_weights: torch.Tensor
     state: State
     clipped_names: list[str]
+    epsilon: float
+    steps: int
 
 
 def dp_round(method, model, data, start_state: State, *, client: str = "C1", seed: int = 11) -> DPRound:
@@ -445,7 +447,7 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
     finally:
         mp.undo()
     return DPRound(seen["views"], seen["labels"], seen["norms"], seen["clipped"], seen["ce_weights"], result.state,
-                   seen["names"])
+                   seen["names"], sites.epsilons()[client], result.steps)
 
 
 def lora_scaling(model) -> float:

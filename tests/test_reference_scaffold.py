@@ -56,8 +56,8 @@ S = 2.0  # the LoRA scaling of the pair
 # three clients, f_i(x) = 0.5 (x - o_i)^T H_i (x - o_i) with diagonal H_i: the global optimum of the mean is
 # x* = (sum_i H_i)^-1 sum_i H_i o_i, away from every client's own optimum
 H = [np.array([1.0, 0.5]), np.array([3.0, 1.0]), np.array([0.5, 2.5])]
-OPT = [np.array([0.0, 2.0]), np.array([4.0, -1.0]), np.array([-2.0, 3.0])]
-X_STAR = sum(h * o for h, o in zip(H, OPT, strict=True)) / sum(H)
+OPTIMA = [np.array([0.0, 2.0]), np.array([4.0, -1.0]), np.array([-2.0, 3.0])]
+X_STAR = sum(h * o for h, o in zip(H, OPTIMA, strict=True)) / sum(H)
 SITES = ("C1", "C2", "C3")
 
 
@@ -70,7 +70,7 @@ def _plain_local(method, steps: int, grad_of):
         with corrected_steps(method, payload, params, start, steps) as extra:
             for k in range(steps):
                 opt.zero_grad()
-                h, o = torch.from_numpy(H[i]), torch.from_numpy(OPT[i])
+                h, o = torch.from_numpy(H[i]), torch.from_numpy(OPTIMA[i])
                 (0.5 * (h * (params["p"] - o) ** 2).sum() + extra(k)).backward()
                 opt.step()
         return {"p": params["p"].detach().clone()}, 10, steps
@@ -102,7 +102,7 @@ def algorithm_1(x0: np.ndarray, rounds: int, steps: int, lr: float, client_step=
         for i in range(len(SITES)):
             y = x.copy()
             for k in range(steps):
-                y = step(i, y, H[i] * (y - OPT[i]) - ci[i] + c, k)
+                y = step(i, y, H[i] * (y - OPTIMA[i]) - ci[i] + c, k)
             ys.append(y)
             new.append(ci[i] - c + (x - y) / (steps * lr))
         c = c + sum(n - old for n, old in zip(new, ci, strict=True)) / len(SITES)
