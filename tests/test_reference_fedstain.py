@@ -45,7 +45,7 @@ from scipy import stats
 pytestmark = pytest.mark.reference
 
 REFERENCES = [
-    Reference("method", "fedstain", "FedStain's statistics, pool and MixStyle (Algorithms 1-2; scipy moments)",
+    Reference("method", "fedstain", "FedStain's statistics, pool and MixStyle (Algorithms 1-2; scipy moments; relative)",
               "test_fedstain_statistics_pool_and_mixstyle"),
     Reference("method", "fedstain", "FedStain's objective (eq. 3-6) in numpy", "test_fedstain_objective"),
     Reference("method", "fedstain_code", "the authors' code's statistics and pool in numpy",

@@ -44,7 +44,7 @@ FLOWER_ADAPTIVE = {"adam": "FedAdam", "yogi": "FedYogi", "adagrad": "FedAdagrad"
 REFERENCES = [
     *(Reference("method", m, "Flower FedAvg on s B_k A_k and the other tensors, numpy rank-r SVD",
                 "test_the_server_step_is_flowers_fedavg_truncated_to_rank_r") for m in FEDAVG_SERVER),
-    Reference("method", "fedprox_peft", "Flower FedProx's proximal-mu and (mu/2)||w - w^t||^2 (Li et al. 2020)",
+    Reference("method", "fedprox_peft", "Flower FedProx's proximal-mu and (mu/2) ||w - w^t||^2 (Li et al. 2020)",
               "test_fedprox_sends_flowers_mu_and_adds_the_proximal_term"),
     Reference("method", "fedadam", "Flower FedAdam, FedYogi, FedAdagrad: two rounds, moments and step",
               "test_fedadam_yogi_adagrad_are_flowers_over_two_rounds"),

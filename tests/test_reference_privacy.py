@@ -41,11 +41,11 @@ RANK_DEFECT = ("under DP-SGD the noise is added to the zero-padded rows of A and
                "rank, so a rank-2 site trains a full-rank adapter")
 
 REFERENCES = [
-    Reference("mechanism", "dp_sgd", "Opacus GradSampleModule per-sample gradients and DPOptimizer clipping",
+    Reference("mechanism", "dp_sgd", "Opacus GradSampleModule per-sample gradients and DPOptimizer clipping (relative)",
               "test_dp_sgd_step_is_opacus"),
-    Reference("mechanism", "rdp_accountant", "Opacus RDPAccountant epsilon of the round's steps",
+    Reference("mechanism", "rdp_accountant", "Opacus RDPAccountant epsilon of the round's steps (relative)",
               "test_dp_sgd_step_is_opacus"),
-    Reference("method", "ffa_lora", "Opacus per-sample norms and clipping with A frozen (B trained alone)",
+    Reference("method", "ffa_lora", "Opacus per-sample norms and clipping with A frozen, B trained alone (relative)",
               "test_ffa_lora_under_dp_clips_what_it_trains"),
     Reference("method", "flexlora", "a rank-2 site's factors after DP steps: padded block 0, rank of s B A (numpy)",
               "test_flexlora_site_keeps_its_rank_under_dp"),
