@@ -50,13 +50,18 @@ def renderer():
     return module
 
 
+def unreferenced(declared: list[tuple[str, Reference]]) -> list[str]:
+    """Every registered method and LoRA aggregator no declaration covers, as 'kind name'."""
+    covered = {kind: {r.name for _, r in declared if r.kind == kind} for kind in KINDS}
+    return ([f"method {m}" for m in registered_methods() if m not in covered["method"]]
+            + [f"aggregator {a}" for a in registered_aggregators() if a not in covered["aggregator"]])
+
+
 def test_every_registered_method_and_aggregator_has_a_reference_test():
     declared = declarations()
     covered = {kind: {r.name for _, r in declared if r.kind == kind} for kind in KINDS}
-    missing = sorted(set(registered_methods()) - covered["method"])
-    assert not missing, f"registered methods without a reference test (declare one in a REFERENCES list): {missing}"
-    missing = sorted(set(registered_aggregators()) - covered["aggregator"])
-    assert not missing, f"registered LoRA aggregators without a reference test: {missing}"
+    missing = unreferenced(declared)
+    assert not missing, f"registered without a reference test (declare one in a REFERENCES list): {missing}"
     assert covered["method"] <= set(registered_methods()), sorted(covered["method"] - set(registered_methods()))
     assert covered["aggregator"] <= set(registered_aggregators())
     assert covered["mechanism"] == MECHANISMS
@@ -69,6 +74,16 @@ def test_every_registered_method_and_aggregator_has_a_reference_test():
         assert "reference" in marks, f"{module_name} is not marked pytest.mark.reference"
     keys = [(r.kind, r.name, r.reference) for _, r in declared]
     assert len(keys) == len(set(keys)), "a (kind, name, reference) is declared twice"
+
+
+def test_a_method_registered_without_a_reference_test_is_named():
+    from fedhisto.methods import register, unregister
+
+    register("unreferenced_probe", "fedhisto.methods.local_only:LocalOnly")
+    try:
+        assert unreferenced(declarations()) == ["method unreferenced_probe"]
+    finally:
+        unregister("unreferenced_probe")
 
 
 @recording
