@@ -20,7 +20,7 @@ import fcntl
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,17 +114,6 @@ def _record(ref: Reference, module: Path, difference: float, known_defect: str |
         scratch.replace(target)
 
 
-def max_abs(*pairs: tuple[Any, Any]) -> float:
-    """The largest absolute elementwise difference over (ours, reference) pairs (tensors or arrays)."""
-    worst = 0.0
-    for ours, ref in pairs:
-        a = ours.detach().double().cpu().numpy() if isinstance(ours, torch.Tensor) else np.asarray(ours, float)
-        b = ref.detach().double().cpu().numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref, float)
-        if a.shape != b.shape:
-            raise AssertionError(f"shapes differ: ours {a.shape}, reference {b.shape}")
-        if a.size:
-            worst = max(worst, float(np.abs(a - b).max()))
-    return worst
 
 
 # ------------------------------------------------------------------ fedhisto: configs, methods, models
@@ -171,13 +160,9 @@ def trainable_state(model) -> State:
     return model.trainable_state()
 
 
-def is_lora_a(key: str) -> bool:
-    return ".lora_A." in key
-
-
 def lora_keys(state: Mapping[str, torch.Tensor]) -> list[tuple[str, str]]:
     """(A key, B key) of every LoRA pair of a state, by peft's tensor names."""
-    return [(k, k.replace("lora_A", "lora_B")) for k in sorted(state) if is_lora_a(k)]
+    return [(k, k.replace("lora_A", "lora_B")) for k in sorted(state) if ".lora_A." in k]
 
 
 def perturbed(state: State, seed: int, scale: float = 0.1, skip: Callable[[str], bool] = lambda k: False) -> State:
@@ -316,8 +301,6 @@ def client_upload(centroids: dict[int, torch.Tensor], counts: dict[int, int]):
     return ClientPrototypes(centroids, counts)
 
 
-def upload_of(upload) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-    return upload.centroids, upload.counts
 
 
 def server_prototypes(state: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -344,11 +327,6 @@ def aggregate_pair(name: str, factors: list[tuple[torch.Tensor, torch.Tensor]], 
     return got.a, got.b, got.residual
 
 
-def aggregator_traits(name: str) -> SimpleNamespace:
-    from fedhisto.fedmath.lora_aggregators import aggregator
-
-    agg = aggregator(name)
-    return SimpleNamespace(frozen=agg.frozen_factor, local=agg.local_factor, ranks=agg.heterogeneous_ranks)
 
 
 def folded(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -452,66 +430,6 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
 
 def lora_scaling(model) -> float:
     return float(model.lora_scaling)
-
-
-# ------------------------------------------------------------------ references: Flower's strategies
-@contextmanager
-def _flower_task() -> Iterator[None]:
-    """Flower's Message needs a task identity (a ServerApp process has one); restored afterwards."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    before = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    try:
-        yield
-    finally:
-        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before
-
-
-class _Grid:
-    """The part of Flower's Grid a strategy's ``configure_train`` asks: the connected node ids."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def get_node_ids(self):
-        return list(range(1, self.n + 1))
-
-
-def flower_round(strategy, server_round: int, current: Mapping[str, np.ndarray],
-                 replies: list[tuple[Mapping[str, np.ndarray], float]]) -> tuple[dict[str, np.ndarray], dict]:
-    """One round of a Flower (``flwr.serverapp.strategy``) strategy: ``configure_train`` with the
-    current arrays to as many nodes as replies, each node answering with its arrays and its weight
-    as ``num-examples``, then ``aggregate_train``. Returns (the aggregate arrays, the train config sent)."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-
-    def record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-        return ArrayRecord({k: Array(np.ascontiguousarray(v, dtype=np.float64)) for k, v in arrays.items()})
-
-    with _flower_task():
-        sent = list(strategy.configure_train(server_round, record(current), ConfigRecord(), _Grid(len(replies))))
-        answers = [Message(RecordDict({"arrays": record(arrays), "metrics": MetricRecord({"num-examples": weight})}),
-                           reply_to=msg) for msg, (arrays, weight) in zip(sent, replies, strict=True)]
-        out, _ = strategy.aggregate_train(server_round, answers)
-    return {k: v.numpy() for k, v in out.items()}, dict(sent[0].content["config"])
-
-
-def dense(state: Mapping[str, torch.Tensor], scaling: float) -> dict[str, np.ndarray]:
-    """A trainable state with every LoRA pair as its gauge-free update s B A (keyed by its A key with
-    ``lora_A`` -> ``lora_BA``) and every other tensor as it is, as float64 arrays."""
-    out = {}
-    pairs = lora_keys(state)
-    for a, b in pairs:
-        out[a.replace("lora_A", "lora_BA")] = scaling * (state[b].double() @ state[a].double()).numpy()
-    paired = {k for p in pairs for k in p}
-    out.update({k: v.double().numpy() for k, v in state.items() if k not in paired and not k.startswith("folded_base.")})
-    return out
-
-
-def best_rank(matrix: np.ndarray, rank: int) -> np.ndarray:
-    """The best rank-``rank`` approximation of ``matrix`` (numpy's SVD, truncated: Eckart-Young)."""
-    u, s, vh = np.linalg.svd(matrix, full_matrices=False)
-    return (u[:, :rank] * s[:rank]) @ vh[:rank]
 
 
 def server_moments(server_state: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -15,15 +15,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from reference_peers import best_rank, dense, flower_round
 from reference_support import (
     Reference,
-    best_rank,
     build,
     check,
     config,
-    dense,
     drive_round,
-    flower_round,
     lora_scaling,
     members_of,
     model_for,

@@ -20,15 +20,14 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
+from reference_peers import best_rank, flower_round
 from reference_support import (
     Reference,
     aggregate_pair,
-    best_rank,
     build,
     check,
     config,
     drive_round,
-    flower_round,
     folded,
     lora_keys,
     members_of,

@@ -22,18 +22,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from reference_peers import best_rank, dense, flower_round
 from reference_support import (
     Reference,
-    best_rank,
     build,
     check,
     class_weights,
     client_upload,
     config,
-    dense,
     descriptors_of,
     drive_round,
-    flower_round,
     lora_scaling,
     members_of,
     model_for,
