@@ -48,6 +48,25 @@ def _stage_logging_stays_in_its_test():
     sys.excepthook = hook
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_stay_in_their_test():
+    """A test that runs a stage or command in-process (``fedhisto classify`` defaults to --threads 2, a
+    stage's run_* takes ``threads``) calls ``torch.set_num_threads``, which outlives the test: every later
+    torch test of that process ran 2+ OpenMP threads spinning against the other worker's and the other CI
+    lanes' (tests/test_test_harness.py). Put back the count the process started with. torch is looked at
+    only once a test has imported it."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if before is None:  # imported by this test: the count torch started with, from the environment
+        before = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else None
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 def write_image(path: Path, seed: int = 0, size: int = 24, fmt: str | None = None, mode: str = "RGB") -> Path:
     """A small random image file (fixture folders stand in for real datasets)."""
     path.parent.mkdir(parents=True, exist_ok=True)
