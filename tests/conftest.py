@@ -32,6 +32,22 @@ os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "1.0")
 os.environ.setdefault("FEDHISTO_SUPERNODE_POLL_S", "1.0")
 
 
+# The markers of the proofs that run in lanes of their own (`pytest -m flower` and so on, .ci/run).
+LANE_MARKERS = ("slurm", "flower", "zoo", "study")
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """Under ``-m <lane marker>`` alone, skip the test files that never name the marker: importing all of
+    them (torch, transformers, every stage) cost each lane about 14 s of CPU to deselect all but a few
+    tests. A marker is only ever applied by name in the file (tests/test_test_harness.py checks that no
+    test adds one another way)."""
+    expr = (config.getoption("markexpr") or "").strip()
+    if (expr in LANE_MARKERS and collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+            and f"mark.{expr}" not in collection_path.read_text()):
+        return True
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _stage_logging_stays_in_its_test():
     """A test that runs a stage in-process gets ``entry.setup_logging``'s root handlers on the stderr
