@@ -23,6 +23,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+# An OpenMP thread that waits for work spins by default (libgomp's active wait): with the suite's processes,
+# its Snakemake jobs (which take threads from `threads:`) and CI's other lanes on 2 cores, a 2-thread torch
+# process spun while its partner thread waited for a core. Eight bf16 rounds of tests/test_gpu_path.py at
+# torch.set_num_threads(2) took 206 s of CPU with the default wait and 16 s with the passive one (the same
+# as at one thread; load 15-20). The wait policy changes no result, only how idle threads wait. Inherited
+# by every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Every Flower process the tests start (up to eight sites, their SuperExecs, the SuperLink) runs on the
 # same cores as the training it waits for. The deployment's default polls (SuperNode 0.2 s, SuperExec
 # 0.1 s) are a latency lever for sites on their own machines; on one 2-core host their idle requests
