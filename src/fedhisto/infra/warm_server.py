@@ -66,6 +66,11 @@ START_WAIT_S = 120.0  # a hang guard: the server's imports take seconds; past th
 PRELOAD = ("torch", "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers", "peft",
            "fedhisto.train.stage", "fedhisto.predict.stage", "fedhisto.pretrain.stage", "fedhisto.accounting.stage", "fedhisto.stain.stage",
            "fedhisto.metrics.stage", "fedhisto.bootstrap.stage", "fedhisto.report.stage", "sklearn.metrics", "fedhisto.infra.plotting")
+# Each job's two lines in the server's log: its log file and the job process's own CPU up to the call
+# (interpreter, Snakemake's script preamble, config), then the child's end with its CPU (wait4: the child and
+# its reaped descendants). benchmarks/pipeline_timeline.py reads them into a per-job timeline.
+STARTED_LINE = "warm server: %s for pid %s in child %d (log %s, job process %.2f s CPU before the call)"
+ENDED_LINE = "warm server: child %d ended (%s), peak resident memory %.2f GiB, CPU %.2f s user %.2f s system"
 _HEADER = struct.Struct("!Q")
 _SHUTDOWN = "__shutdown__"
 _STARTED: list[str] = []  # sockets of the servers this process started (and so stops)
@@ -155,7 +160,8 @@ def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) ->
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         request = {"target": target, "code": _code_digest(), "cwd": os.getcwd(), "env": dict(os.environ),
-                   "log_path": log_path, "client_pid": os.getpid(), "call": _dumps((args, kwargs))}
+                   "log_path": log_path, "client_pid": os.getpid(), "client_cpu_s": time.process_time(),
+                   "call": _dumps((args, kwargs))}
         _send(conn, request, [0, 1, 2])
         try:
             started, _ = _recv(conn)
@@ -306,7 +312,8 @@ def _serve_one(server: socket.socket, code: str) -> bool:
                 status = _run_child(conn, request, fds)
             finally:
                 os._exit(status)
-        log.info("warm server: %s for pid %s in child %d", request["target"], request.get("client_pid"), pid)
+        log.info(STARTED_LINE, request["target"], request.get("client_pid"), pid, request.get("log_path"),
+                 request.get("client_cpu_s", float("nan")))
     except Exception as exc:
         log.warning("warm server: request not served (%s: %s); its job runs in its own process",
                     type(exc).__name__, exc)
@@ -328,7 +335,7 @@ def _reap(folder: str | None = None) -> None:
         if pid == 0:
             return
         how = death_note(folder, pid, status, usage.ru_maxrss)
-        log.info("warm server: child %d ended (%s), peak resident memory %.2f GiB", pid, how, usage.ru_maxrss / 2 ** 20)
+        log.info(ENDED_LINE, pid, how, usage.ru_maxrss / 2 ** 20, usage.ru_utime, usage.ru_stime)
 
 
 def _alive(pid: int) -> bool:
