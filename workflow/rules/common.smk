@@ -36,17 +36,19 @@ validate(config, schema="../schemas/config.schema.json", set_default=False)
 CFG = study_config(config, source=CONFIG_SOURCE)
 
 # Every training job waits for two chains: cohort -> clearance -> manifest -> stain, and the tiny encoder's
-# pretraining, which needs no cohort. On 2 cores (benchmarks/pipeline_timeline.py on the embedded default)
-# the synthetic cohort renders on one core while pretraining (and then the accounting) takes the other, and
-# clearance, the longest job of the chain (~70 s of CPU), then has both: the first training job starts
-# after about cohort + clearance / 2. Before, the 2-thread cohort ran alone and clearance on one thread
-# beside pretraining, which left a core idle for most of clearance's minute.
+# pretraining, which needs no cohort. CPU seconds on the embedded default (benchmarks/pipeline_timeline.py,
+# docs/changelog.md): cohort ~37, clearance ~75, pretraining ~16, manifest + stain ~3. On 2 cores the cohort
+# and then clearance each take both cores, and pretraining runs beside manifest and stain: the first
+# training job starts after about (37 + 75) / 2 + 16 s. Before, clearance ran on one thread beside
+# pretraining (a core idle for most of clearance's minute); cohort on one core beside pretraining instead
+# would start training after about 37 + 75 / 2 + 3 s.
 CLEARANCE_THREADS = 2
 # Priorities, highest first: the two chains above; then whatever follows training (predictions,
 # comparisons, metrics, tables), as soon as its inputs exist, so that it runs between training jobs instead
 # of after the last; then training, one method after the other (train_priority), so that methods finish,
 # and their predictions and comparisons run, while later methods train.
 CRITICAL_PATH_PRIORITY = 1000
+PRETRAIN_PRIORITY = CRITICAL_PATH_PRIORITY - 1  # after cohort and clearance have their two cores, before all else
 AFTER_TRAINING_PRIORITY = 500
 
 

@@ -37,6 +37,7 @@ so running cold would only pay them twice (the first jobs of every run did: abou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import logging
@@ -74,6 +75,7 @@ ENDED_LINE = "warm server: child %d ended (%s), peak resident memory %.2f GiB, C
 _HEADER = struct.Struct("!Q")
 _SHUTDOWN = "__shutdown__"
 _STARTED: list[str] = []  # sockets of the servers this process started (and so stops)
+_PROCESSES: dict[str, subprocess.Popen] = {}  # their processes, waited for when stopped
 log = logging.getLogger(__name__)
 
 
@@ -370,6 +372,7 @@ def start_server(log_file: str | Path | None = None) -> str | None:
             out.close()
     os.environ[ENV_SOCKET], os.environ[ENV_PID] = path, str(server.pid)
     _STARTED.append(path)
+    _PROCESSES[path] = server
     return path
 
 
@@ -390,6 +393,12 @@ def stop_server() -> None:
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    process = _PROCESSES.pop(path, None)
+    # reaped here, its CPU (and its jobs') counts in this process's children as a cold job's does: `/usr/bin/time
+    # snakemake ...` then sees the whole run. One still busy stops on its own once this process is gone.
+    if process is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -403,6 +412,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally block removes the socket
     serve(args.socket, args.parent, tuple(args.preload))
+    # done: skip the interpreter's teardown of torch and the preloaded modules (seconds, which the Snakemake run
+    # that stops this server would wait for); its log is flushed and it holds nothing else
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
