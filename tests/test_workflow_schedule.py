@@ -78,10 +78,10 @@ def test_priorities_put_the_chains_first_what_follows_training_next_and_train_on
     assert min(training) > 0
 
 
-def test_cohort_then_clearance_on_both_cores_and_pretraining_beside_manifest_and_stain(all_jobs: list[dict]):
+def test_cohort_on_both_cores_then_clearance_beside_pretraining(all_jobs: list[dict]):
     threads = {j["rule"]: j["threads"] for j in all_jobs}
     priority = {j["rule"]: j["priority"] for j in all_jobs}
-    assert threads["synthesize_cohort"] == threads["audit_duplicates"] == 2 and threads["pretrain_encoder"] == 1
+    assert threads["synthesize_cohort"] == 2 and threads["audit_duplicates"] == threads["pretrain_encoder"] == 1
     # equal priorities let the scheduler start pretraining first, and the 2-thread cohort then waits for it
     assert priority["synthesize_cohort"] == priority["audit_duplicates"] > priority["pretrain_encoder"]
     assert Counter(j["threads"] for j in all_jobs if j["rule"] == "train_federated") == {1: 34}

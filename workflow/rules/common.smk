@@ -37,18 +37,18 @@ CFG = study_config(config, source=CONFIG_SOURCE)
 
 # Every training job waits for two chains: cohort -> clearance -> manifest -> stain, and the tiny encoder's
 # pretraining, which needs no cohort. CPU seconds on the embedded default (benchmarks/pipeline_timeline.py,
-# docs/changelog.md): cohort ~37, clearance ~75, pretraining ~16, manifest + stain ~3. On 2 cores the cohort
-# and then clearance each take both cores, and pretraining runs beside manifest and stain: the first
-# training job starts after about (37 + 75) / 2 + 16 s. Before, clearance ran on one thread beside
-# pretraining (a core idle for most of clearance's minute); cohort on one core beside pretraining instead
-# would start training after about 37 + 75 / 2 + 3 s.
-CLEARANCE_THREADS = 2
+# docs/changelog.md): cohort ~37, clearance ~72, pretraining ~16, manifest + stain ~3. The cohort takes both
+# cores, then clearance one and pretraining (then the accounting) the other. Clearance on two cores would
+# start training ~20 s sooner on an idle host, but its two verification workers each run OpenCV's own thread
+# pool: on a loaded host they spent several times the single process's CPU (1,016 s for a 41 s phase), so
+# the embedded default keeps it on one.
+CLEARANCE_THREADS = 1 if CFG.cohort.mode == "synthetic" else 2
 # Priorities, highest first: the two chains above; then whatever follows training (predictions,
 # comparisons, metrics, tables), as soon as its inputs exist, so that it runs between training jobs instead
 # of after the last; then training, one method after the other (train_priority), so that methods finish,
 # and their predictions and comparisons run, while later methods train.
 CRITICAL_PATH_PRIORITY = 1000
-PRETRAIN_PRIORITY = CRITICAL_PATH_PRIORITY - 1  # after cohort and clearance have their two cores, before all else
+PRETRAIN_PRIORITY = CRITICAL_PATH_PRIORITY - 1  # beside clearance, after the 2-thread cohort (equal, it could go first)
 AFTER_TRAINING_PRIORITY = 500
 
 
