@@ -297,3 +297,72 @@ def test_the_uni_bench_runs_the_timm_vit_l_at_toy_size():
     for key in ("sequential_pairs_s", "batched_pairs_s", "inference_images_s", "pipeline_inference_images_s",
                 "host_view_pairs_s", "device_view_pairs_s", "batched_tflops"):
         assert np.isfinite(r[key]) and r[key] > 0, key
+
+
+# ------------------------------------------------------------------ torch.compile: no recompile per step
+def _compile_jobs(name: str, images: int):
+    """One round of ``name`` under train.compile on a one-block encoder, every client with ``images`` images,
+    so every micro-batch step of the round has the same row layout."""
+    cfg = load_config({**CFG, "train": {**CFG["train"], "engine": "batched", "compile": True, "local_epochs": 1,
+                                        "paired_micro_batch": 2, "accumulation_steps": 1, "single_view_batch": 2}})
+    method = build_method(name, cfg)
+    torch.manual_seed(0)
+    model = FedHistoModel(random_encoder("tiny", depth=1), cfg.model, film=method.film)
+    device = torch.device("cpu")
+    clients = {c: split(images, 30 + k) for k, c in enumerate(("C1", "C2"))}
+    rng = np.random.default_rng(5)
+    doc = {"clients": {c: {"standardised": rng.normal(size=14).tolist()} for c in clients},
+           "centroid": {"standardised": rng.normal(size=14).tolist()}}
+    descriptors = method.descriptors(doc, sorted(clients))
+    start = perturbed(model.trainable_state(), 7)
+    from fedhisto.methods.base import named_rng
+
+    uploads = {n: method.upload_before_training(model, start, clients[n], named_rng("style_sample", 11, 1, k), device)
+               for k, n in enumerate(sorted(clients))} if method.pre_uploads else dict.fromkeys(clients)
+    payloads = method.configure_train(1, None, uploads)
+    jobs = [MemberJob(start, clients[n], descriptors[n], payloads[n], 11, 1, k) for k, n in enumerate(sorted(clients))]
+    return cfg, method, model, device, jobs
+
+
+@pytest.mark.parametrize("name", ["past_v2", "fedstain"])
+def test_compiled_steps_of_one_layout_add_no_graph_after_the_second(name: str, monkeypatch):
+    """train.compile: dynamo compiles the encoder pass once per row layout; steps that repeat a layout
+    (and later rounds) reuse it. Counted by torch._dynamo's own ``unique_graphs`` before each step's pass
+    (the backend is "eager": recompiles are decided by dynamo's guards, whatever compiles the graph).
+    Three rounds of three steps each, every step with the same layout: the graph count after the first
+    step's pass is the last new one (forward and backward of one layout)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import fedhisto.train.batched as batched
+
+    torch._dynamo.reset()
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
+    batched._compiled_pass.cache_clear()
+    seen: list[tuple] = []
+    real = batched.stacked_forward
+
+    def recording(model, method, params, layout, pixels, descriptors, **kw):
+        out = real(model, method, params, layout, pixels, descriptors, **kw)
+        seen.append((tuple(layout.members), tuple(layout.sizes), tuple(s is None for s in layout.specs),
+                     counters["stats"]["unique_graphs"]))
+        return out
+
+    monkeypatch.setattr(batched, "stacked_forward", recording)
+    try:
+        cfg, method, model, device, jobs = _compile_jobs(name, 6)
+        compiled = [batched_local_train(method, model, jobs, cfg, device) for _ in range(3)]
+    finally:
+        batched._compiled_pass.cache_clear()
+        torch._dynamo.reset()
+    assert len(seen) == 9 and len({s[:3] for s in seen}) == 1, seen  # nine steps, one layout
+    graphs = [s[3] for s in seen]
+    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 8, graphs  # nothing compiled after the first step
+    # and the graphs do what the eager pass does (FedStain's restyling included: dynamo runs its numpy
+    # draws eagerly at a graph break); the eager backend replays the same ops in the same order
+    eager_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
+    eager = batched_local_train(method, model, jobs, eager_cfg, device)
+    for rnd in compiled:
+        for c, e in zip(rnd, eager, strict=True):
+            assert max(float((c.state[k] - e.state[k]).abs().max()) for k in e.state) < 1e-6

@@ -69,6 +69,11 @@ class Layout:
     def uniform(self) -> bool:
         return len(set(self.sizes)) == 1
 
+    def clear(self) -> None:
+        """Empty, for the next step's groups: the engine keeps one ``Layout`` per round, which the member
+        pathway (patched once per round) reads at every pass."""
+        self.members, self.sizes, self.specs, self.index = [], [], [], None
+
     def spans(self) -> Iterator[tuple[int, int, int]]:
         start = 0
         for m, n in zip(self.members, self.sizes, strict=True):
@@ -309,11 +314,12 @@ def _compiled_pass() -> Callable:
 
 def compiled_embedding(model: FedHistoModel) -> Callable[[torch.Tensor], torch.Tensor]:
     """``train.compile``: ``torch.compile`` of the encoder pass (LoRA members patched in), forward and
-    backward. The member heads stay eager (a few small matmuls per member). Dynamo guards on the
-    patched forwards' code, not on the closures built each step, so a graph is reused while the
-    step's row layout repeats; a new layout (fewer active members, a short last micro-batch)
-    compiles once more. One wrapper for the process (graphs are cached per model by dynamo's
-    guards), so every round of a run reuses the graphs compiled in its first round."""
+    backward. The member heads stay eager (a few small matmuls per member). The engine patches the
+    encoder once per round and refills one ``Layout`` per step; dynamo guards on the patched forwards'
+    code and the layout's values, so a graph is reused while the row layout repeats (no new graph
+    after a layout's first step, tests/test_gpu_path.py); a new layout (fewer active members, a short
+    last micro-batch) compiles once more. One wrapper for the process (graphs are cached per model by
+    dynamo's guards), so every round of a run reuses the graphs compiled in its first round."""
     compiled = _compiled_pass()
     return lambda pixels: compiled(model, pixels)
 
@@ -360,9 +366,13 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
     updates = [0] * n_members
     autocast = runs[0].autocast
     embed = compiled_embedding(model) if cfg.train.compile else None
+    # the encoder is patched once per round (member LoRA, member restyling), not per step: the patched
+    # forwards and the restyle hook read this one layout, refilled at every step
+    layout = Layout()
     with ExitStack() as stack:
         for run in runs:
             stack.enter_context(method.local_session(run))
+        stack.enter_context(member_pathway(model, method, params, layout))
         for epoch in range(plan.epochs):
             batches = [epoch_batches(j, epoch, plan.micro_batch) for j in jobs]
             for b in range(max(len(x) for x in batches)):
@@ -375,7 +385,7 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                     members_batches[m] = batch_of(jobs[m], plan, epoch, b, batches[m][b], device)
                     inputs[m] = method.batch_inputs(runs[m], members_batches[m])
                 n_views = len(inputs[active[0]].views)
-                layout = Layout()
+                layout.clear()
                 pixels = []
                 for k in range(n_views):  # view-major: a member's views keep their order in the pass
                     for m in active:
@@ -387,7 +397,8 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 layout.index = torch.tensor(layout.members, device=device)
                 x = torch.cat(pixels).to(device, non_blocking=True)
                 with autocast():
-                    logits, zs = stacked_forward(model, method, params, layout, x, descriptors, embed=embed)
+                    logits, zs = stacked_forward(model, method, params, layout, x, descriptors, patched=True,
+                                                 embed=embed)
                 logits, zs = logits.float(), zs.float()
                 per_member: dict[int, tuple[list, list]] = {m: ([], []) for m in active}
                 for m, s, e in layout.spans():
