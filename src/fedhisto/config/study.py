@@ -101,6 +101,12 @@ class TrainBase(Strict):
     compile: bool = Field(
         False, json_schema_extra=IF_CHANGED, description="[ours] torch.compile the encoder pass of the batched engine "
                        "(train.engine: batched only; the same math up to kernel fusion rounding)")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="[ours] where every torch stage (training, prediction, experiments, classify) computes: "
+                            "auto = the GPU the environment exposes, else the CPU, except that a job declaring a GPU "
+                            "(Snakemake resource gpu) stops, naming why no GPU is usable; cuda = a GPU or stop; "
+                            "cpu = the CPU, also in a job that declares a GPU. Where a run computes, not what: "
+                            "not part of any run's identity")
 
     @model_validator(mode="after")
     def _compile_needs_the_batched_engine(self) -> TrainBase:
