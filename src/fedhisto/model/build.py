@@ -55,8 +55,14 @@ def pick_device(cfg: Config | None = None) -> torch.device:
     (``declared_gpus``), which stops naming the cause instead of running for hours on one CPU thread.
     The GPU is the one the environment exposes (CUDA_VISIBLE_DEVICES, as SLURM sets it); never assumes
     cuda:0 exists. Turns deterministic algorithms on first (``set_determinism``)."""
+    return device_for(cfg.train.device if cfg is not None else "auto")
+
+
+def device_for(choice: str) -> torch.device:
+    """``pick_device`` for a ``train.device`` value (``fedhisto classify --device``)."""
     set_determinism()
-    choice = cfg.train.device if cfg is not None else "auto"
+    if choice not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device {choice!r}: allowed auto, cuda, cpu")
     if choice == "cpu":
         return torch.device("cpu")
     cause = cuda_unavailable_cause()
