@@ -427,8 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_cmd_probe_encoder)
     from fedhisto.classify.commands import use_parsers
+    from fedhisto.model.snapshot import fetch_parsers
 
     use_parsers(sub)
+    fetch_parsers(sub)
     _federation_parsers(sub)
     _site_local_parsers(sub)
 
