@@ -247,3 +247,37 @@ def test_a_snakemake_job_declares_its_rules_gpus_and_the_device_is_no_part_of_a_
         assert __import__("os").environ["FEDHISTO_JOB_GPUS"] == str(gpus)
     blocks = {d: stage_block(_device_cfg(d), "train", method="past_v2", seed=11) for d in ("auto", "cuda", "cpu")}
     assert blocks["auto"] == blocks["cuda"] == blocks["cpu"]
+
+
+# ------------------------------------------------------------------ the probe holds a GPU: it computes there
+def test_the_probe_embeds_on_the_device_its_job_holds(tmp_path, monkeypatch):
+    """``fedhisto probe-encoder`` (and the probe experiment's step) picks the stage's device and embeds
+    there: the encoder's weights move to it once, every batch of views follows; the measures are the CPU
+    run's (attention's float32 rounding, module docstring)."""
+    from PIL import Image
+
+    import fedhisto.model.stain_probe as stain_probe
+    from fedhisto.model.encoder import random_encoder
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for k in range(6):
+        Image.fromarray(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8)).save(folder / f"img{k}.png")
+    torch.manual_seed(0)
+    random_encoder("tiny").save(tmp_path / "enc")
+    cfg = load_config({"model": {"encoder": {"name": "tiny"}}, "views": {"crop_size": 32}})
+    on_cpu = stain_probe.run_probe(cfg, folder, tmp_path / "cpu", encoder_dir=str(tmp_path / "enc"), resamples=50)
+    seen = []
+    real_embed = stain_probe.frozen_embedding
+    monkeypatch.setattr(stain_probe, "frozen_embedding",
+                        lambda enc, px: seen.append(on_device([px, *enc.module.parameters()])) or real_embed(enc, px))
+    monkeypatch.setattr(fedhisto.model.build, "pick_device", lambda *args, **kwargs: DEVICE)
+    with fake_device() as mode:
+        on_dev = stain_probe.run_probe(cfg, folder, tmp_path / "dev", encoder_dir=str(tmp_path / "enc"), resamples=50)
+    assert mode.mixed == [] and seen and all(seen)
+    assert on_dev["images"] == on_cpu["images"] == 6
+    measured = [k for k, v in on_cpu.items() if isinstance(v, dict) and "estimate" in v]
+    assert len(measured) >= 3
+    for key in measured:
+        assert on_dev[key]["estimate"] == pytest.approx(on_cpu[key]["estimate"], rel=1e-5, abs=1e-7), key
