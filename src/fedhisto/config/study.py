@@ -107,6 +107,11 @@ class TrainBase(Strict):
                             "(Snakemake resource gpu) stops, naming why no GPU is usable; cuda = a GPU or stop; "
                             "cpu = the CPU, also in a job that declares a GPU. Where a run computes, not what: "
                             "not part of any run's identity")
+    view_workers: int | None = Field(
+        None, ge=0, description="[ours] threads that make the next steps' host views while the device runs the step "
+                                "(fedhisto.data.view_workers; batched engine, default host views): null = on CUDA one "
+                                "per CPU the job may use less one, none on a CPU; 0 = off. The same pixels either "
+                                "way: not part of any run's identity")
 
     @model_validator(mode="after")
     def _compile_needs_the_batched_engine(self) -> TrainBase:
