@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_round import synthetic_split
 
 from fedhisto.config.study import load_config
-from fedhisto.data import view_workers
 from fedhisto.methods import build_method
 from fedhisto.model.build import pick_device
 from fedhisto.model.encoder import random_encoder
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.registries.encoder_registry import ENCODER_NAMES, encoder_entry
+from fedhisto.train import view_workers
 from fedhisto.train.loop import run_rounds
 from fedhisto.train.participants import InProcess
 

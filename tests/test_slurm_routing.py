@@ -64,7 +64,7 @@ def test_every_gpu_job_goes_to_the_gpu_partition_and_every_other_job_stays(repo,
             want = "gpu" if int(r.get("gpu", 0)) > 0 else "cpu"
             assert r.get("slurm_partition") == want, (rule, r)
             if "gpu" in r:
-                assert r["tasks_per_gpu"] == "0", (rule, r)
+                assert r["tasks_per_gpu"] == "0" and r["cpus_per_gpu"] == "8", (rule, r)
     assert sum(len(runs) for runs in jobs.values()) > 100
 
 
@@ -82,19 +82,22 @@ class _Resources(dict):
         return self[name]
 
 
-@pytest.mark.parametrize("tasks_per_gpu", [0, None])
-def test_the_plugins_sbatch_line_for_a_gpu_job_has_no_ntasks_per_gpu(tasks_per_gpu):
-    """The executor plugin's own submit string for a routed GPU job (tasks_per_gpu=0): no --ntasks-per-gpu
-    beside --cpus-per-task, which SLURM >= 23 refuses (the plugin's issues 342 and 373). Unrouted (None), the
-    installed plugin adds none either; versions before 2.0 added --ntasks-per-gpu=1, which the routing's 0
-    turns off from 1.6.1 on (the slurm extra's floor)."""
+@pytest.mark.parametrize("routed", [True, False])
+def test_the_plugins_sbatch_line_for_a_gpu_job_has_no_ntasks_per_gpu(routed):
+    """The executor plugin's own submit string for a routed GPU job (tasks_per_gpu=0, cpus_per_gpu=8): no
+    --ntasks-per-gpu (beside --cpus-per-task SLURM >= 23 refuses it: the plugin's issues 342 and 373), and
+    eight CPUs for the view workers. Unrouted, the installed plugin adds no --ntasks-per-gpu either (versions
+    before 2.0 added --ntasks-per-gpu=1, which the routing's 0 turns off from 1.6.1 on, the slurm extra's
+    floor) but asks one CPU per task."""
     from snakemake_executor_plugin_slurm.submit_string import get_submit_command
 
     resources = _Resources(gpu=1, mem_mb=24000, runtime=720, slurm_partition="gpu")
-    if tasks_per_gpu is not None:
-        resources["tasks_per_gpu"] = tasks_per_gpu
+    if routed:
+        resources.update(tasks_per_gpu=0, cpus_per_gpu=8)
     job = SimpleNamespace(resources=resources, threads=2, name="train_federated", is_group=lambda: False)
     params = {"run_uuid": "x", "slurm_logfile": "log", "comment_str": "rule_train_federated", "account": "-A lab",
               "partition": "-p gpu", "workdir": "/w"}
-    call = get_submit_command(job, params)
-    assert "--ntasks-per-gpu" not in call and "--cpus-per-task=2" in call.replace("--cpus-per-task ", "--cpus-per-task="), call
+    call = get_submit_command(job, params).replace("--cpus-per-gpu ", "--cpus-per-gpu=")
+    call = call.replace("--cpus-per-task ", "--cpus-per-task=")
+    assert "--ntasks-per-gpu" not in call, call
+    assert ("--cpus-per-gpu=8" in call and "--cpus-per-task" not in call) if routed else "--cpus-per-task=2" in call

@@ -9,10 +9,10 @@ import pytest
 import torch
 from test_batched import round_inputs
 
-from fedhisto.data.view_workers import StepsAhead, made_ahead, step_views, view_workers
 from fedhisto.methods import method_names
 from fedhisto.train.batched import batched_local_train
 from fedhisto.train.plan import batch_of, epoch_batches, local_run
+from fedhisto.train.view_workers import StepsAhead, made_ahead, step_views, view_workers
 
 
 def test_the_setting_resolves_to_threads_on_cuda_with_host_views_only():

@@ -18,7 +18,7 @@ Figures, all measured in the same process on the same device:
 - ``peak_memory_gib``: peak device memory (GPU), or the process's peak resident memory (CPU);
 - ``host_view_pairs_s``: paired stain views made on the host per second by one thread (the
   engines' data path; the timings above use views already on the device, kept as uint8);
-  ``host_pool_pairs_s``: the same made by the pipeline's view workers (``data.view_workers``:
+  ``host_pool_pairs_s``: the same made by the pipeline's view workers (``train.view_workers``:
   ``host_view_workers`` threads on this device, none on a CPU), which overlap the step;
 - ``device_view_pairs_s``: the same paired views made by ``fedhisto.data.device_views`` on the bench
   device, a batch of ``members x micro`` pairs per call (parameters drawn on the host, pixels from
@@ -52,7 +52,6 @@ import torch
 from fedhisto.config.study import load_config
 from fedhisto.data.device_views import DeviceImages, draw_views, render_views
 from fedhisto.data.splits import Split
-from fedhisto.data.view_workers import view_workers
 from fedhisto.data.views import training_views
 from fedhisto.infra.atomic import write_json
 from fedhisto.methods import build_method
@@ -71,6 +70,7 @@ from fedhisto.train.batched import (
     stacked_forward,
 )
 from fedhisto.train.plan import MemberJob, local_run
+from fedhisto.train.view_workers import view_workers
 
 #: the method the bench trains: the study's proposed one (paired views, FiLM, prototypes)
 METHOD = "past_v2"

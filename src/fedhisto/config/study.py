@@ -109,7 +109,7 @@ class TrainBase(Strict):
                             "not part of any run's identity")
     view_workers: int | None = Field(
         None, ge=0, description="[ours] threads that make the next steps' host views while the device runs the step "
-                                "(fedhisto.data.view_workers; batched engine, default host views): null = on CUDA one "
+                                "(fedhisto.train.view_workers; batched engine, default host views): null = on CUDA one "
                                 "per CPU the job may use less one, none on a CPU; 0 = off. The same pixels either "
                                 "way: not part of any run's identity")
 

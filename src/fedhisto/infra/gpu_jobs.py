@@ -14,7 +14,10 @@ after the Snakefile has defined its rules, ``route_gpu_jobs`` gives every rule t
 - ``tasks_per_gpu=0``: snakemake-executor-plugin-slurm (>= 1.6.1) then adds no ``--ntasks-per-gpu`` to a
   GPU job's ``sbatch`` (versions before 2.0 added ``--ntasks-per-gpu=1`` by default, which newer SLURM
   rejects beside ``--cpus-per-task``: "SLURM_TRES_PER_TASK is mutually exclusive with --ntasks-per-gpu").
-  A value set for a rule by name is kept.
+  A value set for a rule by name is kept;
+- ``cpus_per_gpu=8`` (``CPUS_PER_GPU``), unless given (``--default-resources ... cpus_per_gpu=N`` for nodes
+  with fewer cores per GPU): the plugin asks ``--cpus-per-gpu`` for a GPU job instead of one CPU per task,
+  so the job's view workers (one per CPU it may use, less one) keep the GPU fed; a CPU job is unaffected.
 
 Locally these resources are unused (no ``--resources`` limits them). Nothing here imports torch.
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 GPU_PARTITION = "slurm_gpu_partition"
+#: CPUs a GPU job asks for beside its GPU: the threads that make its host views (``train.view_workers``)
+CPUS_PER_GPU = 8
 
 
 def _value(resource: Any, wildcards: Any, kwargs: dict) -> Any:
@@ -68,5 +73,7 @@ def route_gpu_jobs(workflow: Any) -> list[str]:
                                                                             given[GPU_PARTITION]))
         if "tasks_per_gpu" not in own:
             res["tasks_per_gpu"] = 0
+        if "cpus_per_gpu" not in own and "cpus_per_gpu" not in res:
+            res["cpus_per_gpu"] = CPUS_PER_GPU
         routed.append(rule.name)
     return routed

@@ -3,7 +3,8 @@
 Compute nodes of a cluster often reach no network, and a job that downloads in its first minutes fails there
 (or, with retries, three times). So jobs never download: ``local_snapshot`` finds the pinned revision in the
 Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``, which a cluster puts on the shared file system) with
-``local_files_only``, and a job without it stops naming the command to run. ``fedhisto fetch-encoder``
+``local_files_only`` (``model.encoder.local_snapshot``), and a job without it stops naming the command to
+run. ``fedhisto fetch-encoder``
 (``fetch_encoder``) is that command: on a login node, once, it downloads the configuration's pinned revision
 into the cache (or into ``--dir``, then named in ``model.encoder.local_dir``) and loads it strictly into the
 encoder's architecture, so a wrong or partial snapshot is found there and not in a queued job.
@@ -16,41 +17,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-#: what a snapshot needs: the config and the weights (either format)
-HUB_FILES = ["*.json", "*.safetensors", "*.bin"]
-
-
-def fetch_command(config: str | None) -> str:
-    return f"fedhisto fetch-encoder --config {config or '<your config>'}"
-
-
-def local_snapshot(entry: Any, repo_id: str, revision: str | None, config: str | None = None) -> Path:
-    """The pinned revision's snapshot in the local Hugging Face cache; never downloads."""
-    from fedhisto.model.encoder_families import EncoderLoadError
-
-    if revision is None:
-        raise EncoderLoadError(f"encoder {entry.name!r}: no revision of {repo_id} is pinned ({entry.revision_note}); "
-                               f"{entry.get_started()}")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_FILES,
-                                      local_files_only=True))
-    except Exception as exc:  # not in the cache (or a partial one): say what to run, and where
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        raise EncoderLoadError(
-            f"encoder {entry.name!r}: no local snapshot of {repo_id}@{revision} in the Hugging Face cache "
-            f"{HF_HUB_CACHE} ({type(exc).__name__}). Jobs never download: run `{fetch_command(config)}` once "
-            "where the hub is reachable (a login node), with the same HF_HOME as the jobs, or set "
-            "model.encoder.local_dir to a downloaded snapshot") from None
-
 
 def fetch_encoder(cfg: Any, dest: str | Path | None = None) -> dict:
     """Download the configuration's pinned encoder revision (into the cache, or ``dest``) and load it
     strictly. Returns what was fetched, its folder and the digest runs will record."""
     from fedhisto.infra.provenance import digest_path
-    from fedhisto.model.encoder import load_encoder_folder
+    from fedhisto.model.encoder import HUB_FILES, load_encoder_folder
     from fedhisto.model.encoder_families import EncoderLoadError
     from fedhisto.registries.encoder_registry import encoder_entry
 
@@ -83,9 +55,10 @@ def fetch_encoder(cfg: Any, dest: str | Path | None = None) -> dict:
 
 
 def _cmd_fetch_encoder(args: argparse.Namespace) -> int:
-    from fedhisto.entry import study_config_file
+    from fedhisto.config.study import command_line_config, load_config
 
-    print(json.dumps(fetch_encoder(study_config_file(args.config), args.dir), indent=2))
+    # the config's model block is all it reads: the typed config, without the run checks of fedhisto.entry
+    print(json.dumps(fetch_encoder(load_config(command_line_config([args.config])), args.dir), indent=2))
     return 0
 
 

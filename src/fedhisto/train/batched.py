@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from fedhisto.config.study import Config
-from fedhisto.data.view_workers import StepsAhead, step_views, view_workers
 from fedhisto.fedmath.lora_aggregators.fold import split_folded
 from fedhisto.methods.base import Batch, BatchInputs, Method, restyle_views
 from fedhisto.model.peft_model import FedHistoModel
@@ -57,6 +56,7 @@ from fedhisto.train.plan import (
     steps_now,
 )
 from fedhisto.train.stacked_optim import STACKED_OPTIMIZERS, StackedAdamW, StackedSGD, clip_per_member
+from fedhisto.train.view_workers import StepsAhead, step_views, view_workers
 
 __all__ = ["STACKED_OPTIMIZERS", "Layout", "StackedAdamW", "StackedSGD", "batched_local_train", "clip_per_member",
            "compiled_embedding", "member_pathway", "stack_states", "stacked_forward"]
