@@ -71,3 +71,14 @@ def test_steps_ahead_makes_each_step_once_in_order_of_need():
     assert sorted(made) == [0, 1, 2, 3, 4]
     serial = StepsAhead(lambda b: b + 1, steps=3, workers=0)
     assert [serial.get(b) for b in range(3)] == [1, 2, 3] and serial.orchestrator is None
+
+
+def test_view_workers_asked_for_where_they_cannot_act_are_refused():
+    from fedhisto.config.study import load_config
+    from fedhisto.infra.settings_base import ConfigError
+
+    for train in ({"engine": "sequential"}, {"engine": "batched", "view_pipeline": "device"}):
+        with pytest.raises((ConfigError, ValueError), match=r"train\.view_workers: 2 makes the batched engine's host"):
+            load_config({"train": {**train, "view_workers": 2}})
+        load_config({"train": {**train, "view_workers": 0}})  # off, or auto: fine anywhere
+        load_config({"train": train})

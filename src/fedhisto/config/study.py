@@ -118,6 +118,10 @@ class TrainBase(Strict):
         if self.compile and self.engine != "batched":  # never silently ignored under the sequential engine
             raise ValueError(f"train.compile compiles the batched engine's encoder pass, but train.engine is "
                              f"{self.engine!r}; set train.engine: batched (or train.compile: false)")
+        if self.view_workers and (self.engine != "batched" or self.view_pipeline != "host"):  # nor are these
+            raise ValueError(f"train.view_workers: {self.view_workers} makes the batched engine's host views ahead, "
+                             f"but train.engine is {self.engine!r} and train.view_pipeline {self.view_pipeline!r}; "
+                             "set train.view_workers: null (or 0)")
         return self
 
 
