@@ -221,7 +221,8 @@ def markdown(out: Path) -> str:
         est = estimates(work, hibou)
         verdict = "under" if est["pipeline_hours"] < TARGET_HOURS else "over"
         workers = f", {est['view_workers']} view workers" if est["view_workers"] else ""
-        lines += [f"- as the pipeline runs it (batched engine, {est['members']} members per job, "
+        per_job = f"{est['members']} member{'s' if est['members'] != 1 else ''} per job"
+        lines += [f"- as the pipeline runs it (batched engine, {per_job}, "
                   f"{est['view_pipeline']} views{workers}): **{est['pipeline_hours']:.2f} h** ({verdict} the "
                   f"{TARGET_HOURS:g} h target)",
                   f"- host/device split per training pair: the step {1000 * est['step_s']:.2f} ms on the device, the "
