@@ -207,6 +207,8 @@ def test_a_job_that_declares_a_gpu_and_finds_none_stops_naming_the_torch_build(n
     no_job_gpus.setenv("SLURM_GPUS_ON_NODE", "2")  # a job submitted to SLURM by hand, with --gpus=2
     with pytest.raises(DeviceUnavailable, match="declares 2 GPU"):
         pick_device(None)
+    no_job_gpus.setenv("FEDHISTO_JOB_GPUS", "0")  # a Snakemake rule declaring none, inside that allocation
+    assert pick_device(None) == torch.device("cpu")
     no_job_gpus.delenv("SLURM_GPUS_ON_NODE")
     with pytest.raises(DeviceUnavailable, match=r"train\.device is cuda, but torch .* is built without CUDA"):
         pick_device(_device_cfg("cuda"))

@@ -22,10 +22,11 @@ class DeviceUnavailable(RuntimeError):
 
 
 def declared_gpus() -> int:
-    """The GPUs this job declares: its Snakemake rule's ``gpu`` resource, or what SLURM allotted it."""
+    """The GPUs this job declares: its Snakemake rule's ``gpu`` resource (authoritative when set, 0 too: a
+    CPU rule inside a GPU allocation declares none), else what SLURM allotted a job submitted by hand."""
     for name in (JOB_GPUS, "SLURM_GPUS_ON_NODE"):
         value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
+        if value.isdigit():
             return int(value)
     return 0
 
