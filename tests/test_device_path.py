@@ -242,6 +242,7 @@ def test_a_snakemake_job_declares_its_rules_gpus_and_the_device_is_no_part_of_a_
     from fedhisto.config.stage_blocks import stage_block
     from fedhisto.entry import from_snakemake
 
+    no_job_gpus.setenv("FEDHISTO_JOB_GPUS", "unset")  # from_snakemake writes os.environ: restored after the test
     for gpus in (1, 0):
         smk = SimpleNamespace(config=copy.deepcopy(TINY), resources=Namedlist(fromdict={"gpu": gpus, "mem_mb": 1000}),
                               log=[str(tmp_path / "job.log")])
