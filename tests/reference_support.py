@@ -4,8 +4,10 @@ Every ``tests/test_reference_*.py`` compares one round (or one step) of a regist
 aggregator or mechanism with code the project did not write (Flower's strategies, peft, Opacus,
 scikit-learn) or with its paper's equations written afresh in the test. The calls into fedhisto
 go through the functions here, and only through the entry points every engine uses (the method
-registry's ``build_method``, the round driver ``train.loop.run_round``, a method's objective hook,
-the sequential engine's DP-SGD round), so a change of those interfaces is adapted in this file alone.
+registry's ``build_method``, the round driver ``train.loop.run_round``, the hooks of a method's client
+half, its ``objective``, the sequential engine's DP-SGD round), so a change of those interfaces is
+adapted in this file alone. A test holds the method as ``build_method`` returns it, its server half
+(the strategy); the client hooks are reached through it here.
 
 Bookkeeping: each test module declares what it covers in ``REFERENCES`` (:class:`Reference`); a test
 measures its largest difference from the reference and hands it to :func:`check`, which asserts it
@@ -259,24 +261,31 @@ def objective_terms(method, logits: list[torch.Tensor], zs: list[torch.Tensor], 
                           payload=payload or {}, params=params, start_state=start_state or {}, scratch={},
                           device=device, round_idx=0, client_idx=0, seed=11,
                           autocast=lambda: training_autocast(device, method.cfg.train.precision))
-    with method.local_session(run):
-        return method.terms_from_outputs(run, Batch(np.arange(len(y)), y, 0, 0, 0), logits, zs)
+    objective = method.objective
+    with objective.local_session(run):
+        return objective.terms_from_outputs(run, Batch(np.arange(len(y)), y, 0, 0, 0), logits, zs)
 
 
 def restyle(method, hidden: torch.Tensor, pool: Any, rng: np.random.Generator) -> torch.Tensor:
     """The method's feature restyling of one view's tokens (B, tokens, C) with the pooled statistics
     ``pool`` and the view's generator, as the engines apply it after the method's restyle block."""
-    return method.restyle(hidden, (pool, rng, method.settings.mixstyle_alpha))
+    return method.objective.restyle(hidden, (pool, rng, method.objective.settings.mixstyle_alpha))
 
 
 def restyle_block(method, model) -> torch.nn.Module:
     """The encoder block whose output the method restyles (and whose features its statistics describe)."""
-    return model.encoder_blocks()[method.restyle_layer()]
+    return model.encoder_blocks()[method.objective.restyle_layer()]
 
 
 def upload_before_training(method, model, start_state: State, data, seed: int) -> Any:
     """A participant's upload before training (FedStain's statistics), from the generator of ``seed``."""
-    return method.upload_before_training(model, start_state, data, np.random.default_rng(seed), torch.device("cpu"))
+    return method.objective.upload_before_training(model, start_state, data, np.random.default_rng(seed),
+                                                   torch.device("cpu"))
+
+
+def upload_after_aggregation(method, model, data) -> Any:
+    """A participant's upload after aggregation (PAST's prototypes) with ``model`` holding the new global state."""
+    return method.objective.upload_after_aggregation(model, data, None, torch.device("cpu"))
 
 
 def class_weights(method, counts: list[int]) -> torch.Tensor:
@@ -346,19 +355,26 @@ def corrected_steps(method, payload: dict, params: dict[str, torch.nn.Parameter]
     run = SimpleNamespace(payload=payload, device=torch.device("cpu"), scratch={}, params=params,
                           start_state=start, data=[None] * n_steps, nominal_batch=1, round_idx=0)
 
+    objective = method.objective
+
     @contextmanager
     def session():
-        with method.local_session(run):
-            yield lambda b: sum(method.extra_terms(run, Batch(None, None, 0, 0, b), [], []).values())
+        with objective.local_session(run):
+            yield lambda b: sum(objective.extra_terms(run, Batch(None, None, 0, 0, b), [], []).values())
 
     return session()
+
+
+def local_schedule(method, round_idx: int = 0):
+    """The local schedule (optimiser, lr, weight decay...) the method's participants train round ``round_idx`` by."""
+    return method.objective.local_schedule(round_idx)
 
 
 def local_optimizer(method, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimiser the engines build from the method's local schedule of round 0."""
     from fedhisto.train.local import OPTIMIZERS
 
-    plan = method.local_schedule(0)
+    plan = local_schedule(method)
     return OPTIMIZERS[plan.optimizer](params, lr=plan.lr, weight_decay=plan.weight_decay)
 
 
@@ -382,8 +398,9 @@ class DPRound:
 
 def dp_round(method, model, data, start_state: State, *, client: str = "C1", seed: int = 11) -> DPRound:
     """One DP-SGD round of ``client`` through the sequential engine (``train.private.PrivateSites``, which
-    calls ``fedhisto.privacy``), the model and views in float64 (the engine's float32 otherwise), with
-    spies on the privacy step recording the first logical step's inputs, norms and clipped sum."""
+    calls ``fedhisto.privacy``) with the payload the method's server half sends it in round 0 (a FlexLoRA
+    site's rank), the model and views in float64 (the engine's float32 otherwise), with spies on the
+    privacy step recording the first logical step's inputs, norms and clipped sum."""
     from fedhisto.privacy import dpsgd, step
     from fedhisto.train.private import PrivateSites
 
@@ -402,11 +419,12 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
         seen.setdefault("names", sorted(per_unit))
         return norms
 
-    def release(self, like, generator):
+    def release(self, like, generator, *args, **kwargs):
         seen.setdefault("clipped", {k: v.detach().clone() for k, v in self.total.items()})
-        return real_release(self, like, generator)
+        return real_release(self, like, generator, *args, **kwargs)
 
-    real_inputs = method.batch_inputs
+    objective = method.objective
+    real_inputs = objective.batch_inputs
 
     def inputs64(run, batch):  # the engine's views, in the model's float64
         got = real_inputs(run, batch)
@@ -414,14 +432,15 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
         return got
 
     cfg = method.cfg
-    sites = PrivateSites.start(cfg, method, {client: data}, None, seed)
+    payload = method.configure_train(0, None, {client: None})[client]  # what the server sends (a site's rank)
+    sites = PrivateSites.start(cfg, objective, {client: data}, None, seed)
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(step, "per_unit_gradients", grads)
         mp.setattr(dpsgd.NoisyGradientSum, "add", add)
         mp.setattr(dpsgd.NoisyGradientSum, "release", release)
-        mp.setattr(method, "batch_inputs", inputs64)
-        result = sites.local_train(client, model, start_state, None, {}, 0, 0, torch.device("cpu"))
+        mp.setattr(objective, "batch_inputs", inputs64)
+        result = sites.local_train(client, model, start_state, None, payload, 0, 0, torch.device("cpu"))
     finally:
         mp.undo()
     return DPRound(seen["views"], seen["labels"], seen["norms"], seen["clipped"], seen["ce_weights"], result.state,
