@@ -10,8 +10,8 @@ to the device does not wait for the host.
 The views are the engine's own: ``Objective.batch_inputs``'s host path, ``training_views`` with the view
 generator of (seed, epoch, sample id), so the order in which threads make them changes no pixel and a
 round with workers is bitwise the round without (tests/test_views_ahead.py). Only methods whose views are
-that default path are made ahead (``made_ahead``); a method with views of its own (FedStain's AugMix and
-code variant) and the device view pipeline keep their path.
+that default path are made ahead (``made_ahead``); a method whose objective makes views of its own (an
+augmentation chain of its paper) and the device view pipeline keep their path.
 
 ``train.view_workers``: null (auto) gives a CUDA run of the batched engine with host views one thread per
 CPU this process may use, less one for the engine; a CPU run none (the views would compete with the step
