@@ -51,7 +51,22 @@ rule all:
     default_target: True
 
 
+# The extra comparators (every train.methods entry beyond the study's five; docs/methods.md) and their
+# comparisons with v2, after `all` or with it (`snakemake --cores 2 all comparators`); metrics, tables and
+# figures then show their rows.
+rule comparators:
+    input:
+        comparator_targets(),
+
+
 # Controlled experiments after `all` (docs/experiments.md); targets only, outputs in results/experiments/.
 rule experiments:
     input:
         experiment_outputs(),
+
+
+# On SLURM, every job that declares a GPU goes to the GPU partition (fedhisto.infra.gpu_jobs, docs/cluster.md);
+# after every rule is defined, whatever its name.
+from fedhisto.infra.gpu_jobs import route_gpu_jobs
+
+route_gpu_jobs(workflow)

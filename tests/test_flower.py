@@ -34,13 +34,14 @@ def federable_methods() -> list[str]:
     """Every registered method with one global model that a federation can run (from the registry)."""
     from fedhisto.config.study import load_config
     from fedhisto.methods import build_method, method_names
-    from fedhisto.methods.base import GLOBAL, Method
+    from fedhisto.methods.base import GLOBAL
+    from fedhisto.methods.strategy import Strategy
 
     cfg = load_config({})
     out = []
     for name in method_names():
         m = build_method(name, cfg)
-        if type(m).participants is Method.participants and m.members(["C1", "C2"]) == [GLOBAL]:
+        if type(m).participants is Strategy.participants and m.members(["C1", "C2"]) == [GLOBAL]:
             out.append(name)
     return out
 
@@ -259,7 +260,7 @@ def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dic
     infos = [info for ph in phases for action in ph.values() for info in action["sites"].values()]
     assert infos and all(i["worker-served"] >= 1 and "worker-fallback" not in i for i in infos)
     for s in SITES:
-        assert len(list(cache[s].glob("decoded-*.pt"))) == (2 if s == "C1" else 1)  # C1: also validation
+        assert len(list(cache[s].glob("decoded-*.safetensors"))) == (2 if s == "C1" else 1)  # C1: also validation
     assert len(worker_pids) == 5 and {int(i["pid"]) for i in infos} == worker_pids  # answered by the workers
     a = in_process(prepared, "past_v2", tmp_path / "inproc")
     assert_same_states(a, tmp_path / "flower/checkpoint.pt")

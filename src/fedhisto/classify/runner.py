@@ -73,22 +73,25 @@ def eval_settings(pkg: Package) -> SimpleNamespace:
 
 
 def member_probabilities(pkg: Package, images: list[np.ndarray], descriptor: np.ndarray | None,
-                         encoder_dir: str | Path | None = None, threads: int = 1) -> dict[str, np.ndarray]:
-    """Per member, the (N x 3) probabilities, uncalibrated (softmax of the logits)."""
-    return member_outputs(pkg, images, descriptor, encoder_dir, threads)[0]
+                         encoder_dir: str | Path | None = None, threads: int = 1,
+                         device: str = "auto") -> dict[str, np.ndarray]:
+    """Per member, the (N x 3) probabilities, uncalibrated (softmax of the logits); ``device`` as
+    ``train.device`` (``model.build.device_for``)."""
+    return member_outputs(pkg, images, descriptor, encoder_dir, threads, device=device)[0]
 
 
 def member_outputs(pkg: Package, images: list[np.ndarray], descriptor: np.ndarray | None,
                    encoder_dir: str | Path | None = None, threads: int = 1,
-                   feature_descriptor: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+                   feature_descriptor: np.ndarray | None = None,
+                   device: str = "auto") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per member, the (N x 3) uncalibrated probabilities with ``descriptor`` and the adapted embeddings with
     ``feature_descriptor`` (the package's default, the one its domain statistics were taken with): the same
     forward pass when the two descriptors agree, a second one otherwise."""
-    from fedhisto.model.build import pick_device
+    from fedhisto.model.build import device_for
     from fedhisto.train.inference import predict_with_embeddings
 
     torch.set_num_threads(max(threads, 1))
-    device = pick_device()
+    device = device_for(device)
     model = build_package_model(pkg, encoder_dir).to(device)
     split = Split([str(i) for i in range(len(images))], [0] * len(images), images)
     desc = None if descriptor is None else torch.tensor(descriptor, dtype=torch.float32)

@@ -143,7 +143,7 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
                  calibrate: bool = True, labels: str | Path | None = None, encoder_dir: str | Path | None = None,
                  uncertain_below: float = UNCERTAIN_BELOW, max_megapixels: float = 100.0,
                  contact_sheet: str | Path | None = None, resamples: int = 2000, threads: int = 1,
-                 false_flag_rate: float = FALSE_FLAG_RATE) -> dict:
+                 false_flag_rate: float = FALSE_FLAG_RATE, device: str = "auto") -> dict:
     from fedhisto.classify.runner import member_outputs
     from fedhisto.classify.sheet import contact_sheet as write_sheet
 
@@ -169,7 +169,8 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
     desc, desc_label, desc_info = choose_descriptor(kind, meta, folder)
     default = meta["descriptor"]["centroid"]
     per_member, feats = member_outputs(pkg, decoded.images, desc, encoder_dir, threads,
-                                       None if default is None else np.asarray(default, dtype=np.float32))
+                                       None if default is None else np.asarray(default, dtype=np.float32),
+                                       device=device)
     scores, in_domain, domain = check_domain(pkg, feats, *folder, false_flag_rate)
     raw = np.mean(list(per_member.values()), axis=0)
     temperature = meta["temperature"]["value"] if calibrate else None

@@ -66,7 +66,7 @@ def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: st
     under that site's returned states, pool the sites' scores, measure utility."""
     a = cfg.experiments.privacy_audit
     c = privacy_audit_config(cfg, condition, method_name)
-    device = pick_device()
+    device = pick_device(c)
     method = build_method(method_name, c)
     parts = load_partitions(manifest_csv, c.views.crop_size)
     families = manifest_families(manifest_csv)
@@ -86,7 +86,7 @@ def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: st
     if c.privacy.enabled:
         from fedhisto.train.private import PrivateSites
 
-        private = PrivateSites.start(c, method, clients, families, a.seed)
+        private = PrivateSites.start(c, method.objective, clients, families, a.seed)
     recorder = Recording(model=model, method=method, clients=clients, validation=parts["validation"],
                          descriptors=descriptors, cfg=c, seed=a.seed, device=device, private=private,
                          audited=tuple(a.sites))

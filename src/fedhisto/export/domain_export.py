@@ -62,10 +62,10 @@ def site_rows(manifest_csv: str | Path) -> tuple[dict[str, list[dict]], dict[str
 
 def embedding_block(model, members: dict[str, dict[str, torch.Tensor]], manifest_csv: str | Path, cfg,
                     descriptor: torch.Tensor | None) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
-    from fedhisto.model.build import pick_device
+    """``model`` on the device it computes on (``train.device``, as the predict stage places it)."""
     from fedhisto.train.inference import predict_with_embeddings
 
-    device = pick_device()
+    device = next(model.parameters()).device
     opt_rows, hold_rows = site_rows(manifest_csv)
     opt = {c: load_split(rows, cfg.views.crop_size) for c, rows in opt_rows.items()}
     hold = {c: load_split(rows, cfg.views.crop_size) for c, rows in hold_rows.items() if rows}

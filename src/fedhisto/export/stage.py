@@ -92,7 +92,7 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
     ``manifest_json``), for the domain statistics' images and the model card's data."""
     from fedhisto.export.domain_export import domain_block
     from fedhisto.methods import build_method
-    from fedhisto.model.build import build_model
+    from fedhisto.model.build import build_model, pick_device
     from fedhisto.predict.stage import load_eligible_checkpoint
     from fedhisto.train.stage import descriptors_for
 
@@ -132,7 +132,7 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
                           estimator=cfg.stain.model_dump(mode="json"))
 
     # the domain statistics: every member's embeddings of the training sites' images, with the default descriptor
-    model = build_model(cfg, m, seeds[0], encoder_dir)
+    model = build_model(cfg, m, seeds[0], encoder_dir).to(pick_device(cfg))
     stain_doc = json.loads(Path(descriptors_json).read_text())
     domain, domain_tensors = domain_block(model, members, manifest_csv, cfg,
                                           None if desc is None else torch.as_tensor(desc, dtype=torch.float32),

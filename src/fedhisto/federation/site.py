@@ -11,7 +11,8 @@ Models, the frozen encoder and decoded data are cached per process (``_MODELS``/
 actor) loads the encoder once per node and decodes the site's images once. Decoded images are
 also cached on the node's disk (node config ``cache-dir``), keyed by the SHA-256 of the manifest
 file, the site, the split and the decode size: a manifest that changes (any row, any image digest)
-is a new key and is decoded again, and a cache file whose recorded key differs is never used.
+is a new key and is decoded again, and a cache file whose recorded key differs is never used. The
+cache files are safetensors (arrays and JSON text), read as data: nothing in them can run code.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedhisto import CLASSES
@@ -32,7 +34,8 @@ from fedhisto.config.study import Config, load_config
 from fedhisto.data.splits import Split, _load
 from fedhisto.infra.atomic import atomic_path
 from fedhisto.methods import build_method
-from fedhisto.methods.base import GLOBAL, Method
+from fedhisto.methods.base import GLOBAL
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.build import build_model, encoder_digest, pick_device
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.inference import predict
@@ -41,10 +44,10 @@ from fedhisto.train.loop import ClientUnavailable
 from fedhisto.train.participants import validate_members
 
 log = logging.getLogger(__name__)
-_MODELS: dict[tuple, tuple[Method, FedHistoModel]] = {}
+_MODELS: dict[tuple, tuple[Strategy, FedHistoModel]] = {}
 _ENCODERS: dict[tuple, object] = {}  # (encoder config, folder digest) -> FrozenEncoder, before LoRA
 _DATA: dict[tuple, Split] = {}
-DATA_CACHE_FORMAT = 1
+DATA_CACHE_FORMAT = 2  # 2: safetensors (1 was a pickle)
 # what this process has built or decoded itself (not read from a cache): every reply's ``info`` carries
 # it, so a run shows which messages paid for a build (a warmed worker's messages: none)
 BUILT = {"encoders_built": 0, "models_built": 0, "images_decoded": 0}
@@ -173,29 +176,40 @@ def _decode(row: dict, site: str | None, crop_size: int) -> object:
 def _cache_file(cache_dir: str, manifest_bytes: bytes, site: str | None, split: str, crop_size: int) -> tuple[Path, str]:
     digest = hashlib.sha256(manifest_bytes).hexdigest()
     key = hashlib.sha256(json.dumps([DATA_CACHE_FORMAT, digest, site, split, 2 * crop_size]).encode()).hexdigest()
-    return Path(cache_dir) / f"decoded-{site or 'all'}-{split}-{key[:20]}.pt", key
+    return Path(cache_dir) / f"decoded-{site or 'all'}-{split}-{key[:20]}.safetensors", key
 
 
 def _read_cache(cache: tuple[Path, str]) -> Split | None:
+    """The cached images: a safetensors file (arrays, and JSON text for the key, ids and labels), so a file
+    put in the cache folder by anyone is read as data and never runs code."""
+    from safetensors import safe_open
+
     path, key = cache
     if not path.exists():
         return None
     try:
-        doc = torch.load(path, map_location="cpu", weights_only=False)
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+            if meta.get("key") != key:
+                log.warning("decoded-image cache %s belongs to another manifest: decoding again", path)
+                return None
+            ids, labels = json.loads(meta["ids"]), json.loads(meta["labels"])
+            images = [fh.get_tensor(f"image{i}") for i in range(len(ids))]
     except Exception as exc:  # a truncated or foreign file: decode again and overwrite it
         log.warning("decoded-image cache %s unreadable (%s): decoding again", path, exc)
         return None
-    if doc.get("key") != key:
-        log.warning("decoded-image cache %s belongs to another manifest: decoding again", path)
-        return None
-    return Split(doc["ids"], doc["labels"], doc["images"])
+    return Split(ids, labels, images)
 
 
 def _write_cache(cache: tuple[Path, str], data: Split) -> None:
+    from safetensors.numpy import save_file
+
     path, key = cache
     path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"image{i}": np.ascontiguousarray(img) for i, img in enumerate(data.images)}
+    meta = {"key": key, "ids": json.dumps(list(data.ids)), "labels": json.dumps([int(y) for y in data.labels])}
     with atomic_path(path) as tmp:
-        torch.save({"key": key, "ids": list(data.ids), "labels": list(data.labels), "images": list(data.images)}, tmp)
+        save_file(arrays, str(tmp), metadata=meta)
 
 
 def frozen_encoder(cfg: Config, encoder_dir: str, cache_dir: str = ""):
@@ -221,14 +235,14 @@ def frozen_encoder(cfg: Config, encoder_dir: str, cache_dir: str = ""):
 
 
 def site_model(cfg_json: str, method_name: str, seed: int, encoder_dir: str, threads: int,
-               cache_dir: str = "") -> tuple[Method, FedHistoModel]:
+               cache_dir: str = "") -> tuple[Strategy, FedHistoModel]:
     torch.set_num_threads(max(threads, 1))
     key = (hashlib.sha256(cfg_json.encode()).hexdigest(), method_name, seed, encoder_dir)
     if key not in _MODELS:
         cfg = config_from_json(cfg_json)
         method = build_method(method_name, cfg)
         model = build_model(cfg, method, seed, encoder_dir or None, encoder=frozen_encoder(cfg, encoder_dir, cache_dir))
-        _MODELS[key] = (method, model.to(pick_device()))
+        _MODELS[key] = (method, model.to(pick_device(cfg)))
         BUILT["models_built"] += 1
     return _MODELS[key]
 
@@ -240,7 +254,7 @@ class Site:
         self.sc, self.seed = sc, seed
         self.method, self.model = site_model(cfg_json, method_name, seed, sc.encoder_dir, sc.threads, sc.cache_dir)
         self.cfg = self.method.cfg
-        self.device = pick_device()
+        self.device = pick_device(self.cfg)
         doc = json.loads(Path(sc.descriptors).read_text()) if self.method.film else None
         try:
             self.descriptors = self.method.descriptors(doc, [sc.site])  # this site's and the centroid ("global")
@@ -260,16 +274,18 @@ class Site:
     def upload_before_training(self, start_state: dict[str, torch.Tensor], round_idx: int, k: int):
         from fedhisto.methods.base import named_rng
 
-        return self.method.upload_before_training(self.model, start_state, self.data,
-                                                  named_rng("style_sample", self.seed, round_idx, k), self.device)
+        return self.method.objective.upload_before_training(self.model, start_state, self.data,
+                                                            named_rng("style_sample", self.seed, round_idx, k),
+                                                            self.device)
 
     def train(self, start_state: dict[str, torch.Tensor], payload: dict, round_idx: int, k: int) -> LocalResult:
-        return local_train(self.method, self.model, start_state, self.data, self.descriptors[self.sc.site], payload,
-                           self.cfg, self.seed, round_idx, k, self.device)
+        return local_train(self.method.objective, self.model, start_state, self.data, self.descriptors[self.sc.site],
+                           payload, self.cfg, self.seed, round_idx, k, self.device)
 
     def upload_after_aggregation(self, state: dict[str, torch.Tensor]):
         self.model.load_trainable_state(state)
-        return self.method.upload_after_aggregation(self.model, self.data, self.descriptors[self.sc.site], self.device)
+        return self.method.objective.upload_after_aggregation(self.model, self.data, self.descriptors[self.sc.site],
+                                                              self.device)
 
     # ------------------------------------------------------------ evaluation site
     def validation(self) -> Split:
