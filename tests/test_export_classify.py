@@ -536,6 +536,46 @@ def test_the_false_flag_rate_is_stated_and_holds_on_the_calibration_holdouts(run
     assert sum(r["in_domain"] == "no" for r in rows) == n - k == thr["calibration_flagged"]
 
 
+def _leave_one_site_out_afresh(scores: dict[str, list[float]], rate: float) -> dict[str, float]:
+    """Split conformal prediction (Vovk et al.; Angelopoulos & Bates 2021, eq. 1), one site held out at a time:
+    the threshold is the ceil((n + 1)(1 - rate))-th smallest of the other sites' n scores (the largest when
+    that rank passes n), and the rate is the share of the held-out site's scores above it."""
+    out = {}
+    for site, own in scores.items():
+        others = np.sort(np.concatenate([v for s, v in scores.items() if s != site]))
+        rank = min(len(others), int(np.ceil((len(others) + 1) * (1 - rate))))
+        out[site] = float(np.mean(np.asarray(own) > others[rank - 1] * (1 + 1e-5)))
+    return out
+
+
+def test_the_false_flag_rate_on_a_site_the_threshold_never_saw_is_stated_in_card_and_json(run, folders, tmp_path):
+    meta = json.loads((run["pkg"] / "package.json").read_text())
+    emb = meta["domain"]["embedding"]
+    scores = emb["calibration"]["scores"]
+    assert len(scores) >= 2  # the tiny cohort's sites each score their holdout
+    loso = emb["leave_one_site_out"]
+    want = _leave_one_site_out_afresh(scores, 0.05)
+    assert loso["rate"] == 0.05 and {s: v["rate"] for s, v in loso["sites"].items()} == pytest.approx(want)
+    n = sum(len(v) for v in scores.values())
+    assert loso["images"] == n and loso["pooled_rate"] == pytest.approx(
+        sum(want[s] * len(v) for s, v in scores.items()) / n)
+    card = json.loads((run["pkg"] / "model_card.json").read_text())["domain_check"]
+    thr = emb["default_threshold"]
+    assert card == {"rate": 0.05, "calibration_images": n, "threshold": thr["threshold"], "bound": thr["bound"],
+                    "leave_one_site_out": {"pooled_rate": loso["pooled_rate"], "images": n,
+                                           "sites": {s: v["rate"] for s, v in loso["sites"].items()}}}
+    md = (run["pkg"] / "model_card.md").read_text()
+    assert "## Domain check" in md and f"{loso['pooled_rate']:.1%} of {n} images flagged" in md
+    assert f"at most {thr['bound']:.1%}" in md
+    # classify states it at the rate it was asked for
+    out = tmp_path / "h.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(folders["holdout"]), "--out", str(out),
+                    "--false-flag-rate", "0.25") == 0
+    got = json.loads((tmp_path / "h.json").read_text())["domain"]["embedding"]["leave_one_site_out"]
+    assert got["rate"] == 0.25
+    assert {s: v["rate"] for s, v in got["sites"].items()} == pytest.approx(_leave_one_site_out_afresh(scores, 0.25))
+
+
 def test_the_model_card_names_its_data_and_says_demonstration(run, prepared):
     from safetensors.numpy import load_file
 

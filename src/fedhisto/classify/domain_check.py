@@ -6,7 +6,8 @@ package):
 - per image, ``ood_score``: the Mahalanobis distance of its adapted embedding to the nearest training class
   (mean over members); ``in_domain`` is ``no`` when the score exceeds the conformal threshold of the
   training sites' holdout scores at ``--false-flag-rate`` (default 5 %): an in-domain image is flagged with
-  probability at most the stated bound;
+  probability at most the stated bound (for images exchangeable with the calibration holdouts; the JSON also
+  gives the rate seen on each training site's holdout against the other sites' threshold);
 - the folder, by two independent lines: (1) more flagged images than in-domain images give, a one-sided
   binomial test at the stated bound (p < ``FOLDER_P``); (2) the folder's stain descriptor (the stain
   stage's estimator) farther from the training sites (Ledoit-Wolf Mahalanobis) than any same-size
@@ -20,16 +21,15 @@ from __future__ import annotations
 import numpy as np
 
 from fedhisto.export.domain_stats import (
+    RELATIVE_TOLERANCE,
     conformal_threshold,
     descriptor_distance,
+    leave_one_site_out,
     limit_for,
     mahalanobis_scores,
 )
 
 FOLDER_P = 0.001  # [ours] a folder is "outside" when in-domain images would flag this many with p below this
-#: float32 forward passes in other batches differ in the last digits: a calibration image scored again at
-#: classify must not cross its own threshold by that noise
-RELATIVE_TOLERANCE = 1e-5
 
 
 def image_scores(domain: dict[str, dict[str, np.ndarray]], feats: dict[str, np.ndarray]) -> np.ndarray:
@@ -103,8 +103,10 @@ def check_domain(pkg, feats: dict[str, np.ndarray] | None, folder_z: np.ndarray 
         verdict, line = folder_line(None, {})
         return None, None, {"verdict": verdict, "line": line}
     scores = image_scores(pkg.domain, feats)
-    calibration = [s for v in block["embedding"]["calibration"]["scores"].values() for s in v]
+    by_site = block["embedding"]["calibration"]["scores"]
+    calibration = [s for v in by_site.values() for s in v]
     emb = embedding_verdict(scores, calibration, rate)
+    emb["leave_one_site_out"] = leave_one_site_out(by_site, rate)
     desc = descriptor_verdict(folder_z, folder_info, block["descriptor"])
     verdict, line = folder_line(emb, desc)
     return scores, in_domain(scores, emb["threshold"]["threshold"]), {

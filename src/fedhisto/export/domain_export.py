@@ -29,6 +29,7 @@ from fedhisto.export.domain_stats import (
     descriptor_limits,
     descriptor_reference,
     embedding_statistics,
+    leave_one_site_out,
     mahalanobis_scores,
     site_statistics,
 )
@@ -90,7 +91,8 @@ def embedding_block(model, members: dict[str, dict[str, torch.Tensor]], manifest
              "calibration": {"scores": scores, "n": len(pooled),
                              "sites": {c: len(v) for c, v in scores.items()}},
              "default_rate": FALSE_FLAG_RATE,
-             "default_threshold": conformal_threshold(pooled, FALSE_FLAG_RATE) if pooled else None}
+             "default_threshold": conformal_threshold(pooled, FALSE_FLAG_RATE) if pooled else None,
+             "leave_one_site_out": leave_one_site_out(scores, FALSE_FLAG_RATE)}
     return block, tensors
 
 

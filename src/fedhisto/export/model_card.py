@@ -121,11 +121,42 @@ def card_json(meta: dict, metrics: dict[str, dict], data: dict | None = None) ->
         "members": [{k: m[k] for k in ("name", "seed", "status", "identity")} for m in meta["members"]],
         "temperature": meta["temperature"], "metrics": metrics,
         "descriptor_default": meta["descriptor"]["default"], "code": meta["code"],
+        "domain_check": domain_check_card(meta.get("domain")),
         "intended_use": ("pipeline demonstration only: not for classifying real tissue"
                          if data is not None and data["demonstration"] else
                          "research: classifying H&E lung tiles into ACA / Normal / SCC; not a diagnostic device"),
         "limitations": limitations,
     }
+
+
+def domain_check_card(domain: dict | None) -> dict | None:
+    """The false-flag rates the package states: the conformal bound at the default rate on the pooled holdouts,
+    and the rate seen when each training site's holdout is judged by the other sites' threshold."""
+    if not domain or not domain["embedding"].get("default_threshold"):
+        return None
+    emb = domain["embedding"]
+    thr = emb["default_threshold"]
+    out = {"rate": emb["default_rate"], "calibration_images": thr["n"], "threshold": thr["threshold"],
+           "bound": thr["bound"]}
+    if "leave_one_site_out" in emb:
+        loso = emb["leave_one_site_out"]
+        out["leave_one_site_out"] = {"pooled_rate": loso["pooled_rate"], "images": loso["images"],
+                                     "sites": {s: v["rate"] for s, v in loso["sites"].items()}}
+    return out
+
+
+def domain_markdown(d: dict) -> list[str]:
+    lines = ["## Domain check", "",
+             f"`fedhisto classify` flags an image whose out-of-domain score exceeds {d['threshold']:.4f}, the "
+             f"conformal threshold at a {d['rate']:.0%} false-flag rate on {d['calibration_images']} holdout images "
+             f"of the training sites: an image exchangeable with them is flagged with probability at most "
+             f"{d['bound']:.1%}."]
+    loso = d.get("leave_one_site_out")
+    if loso and loso["pooled_rate"] is not None:
+        sites = ", ".join(f"{s} {r:.1%}" for s, r in loso["sites"].items())
+        lines[-1] += (f" Each training site's holdout judged by the other sites' threshold: {loso['pooled_rate']:.1%} "
+                      f"of {loso['images']} images flagged ({sites}); a new in-domain site can expect about that.")
+    return [*lines, ""]
 
 
 def _fmt(v: float | None) -> str:
@@ -184,6 +215,7 @@ def card_markdown(card: dict) -> str:
     conf = next(iter(card["metrics"].values()), {}).get("confidence", 0.95)
     lines += ["", f"Brackets: {conf:.0%} percentile bootstrap intervals over images.", ""]
     lines += data_markdown(data) if data else []
+    lines += domain_markdown(card["domain_check"]) if card.get("domain_check") else []
     lines += ["## Intended use", "", card["intended_use"], "", "## Limitations", ""]
     lines += [f"- {x}" for x in card["limitations"]]
     return "\n".join(lines) + "\n"
