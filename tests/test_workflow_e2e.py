@@ -33,7 +33,9 @@ def workdir(tmp_path_factory, repo: Path, snakemake_bin: str) -> Path:
     # what `all` alone left: the study's methods, not the extra comparator local_only (tested below)
     (wd / "after_all.json").write_text(json.dumps({
         "trained": sorted(p.name for p in (wd / "results/train").iterdir()),
-        "table4": (wd / "results/tables/table4_internal.md").read_text()}))
+        "table4": (wd / "results/tables/table4_internal.md").read_text(),
+        "robustness": (wd / "results/metrics/robustness.csv").read_text(),
+        "robustness_table": (wd / "results/tables/robustness.md").read_text()}))
     proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(wd), "--cores", "2", "comparators"],
                           capture_output=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr).decode(errors="replace")[-8000:]
@@ -228,10 +230,15 @@ def test_tables_figures_and_html_report(workdir: Path, repo: Path, snakemake_bin
     assert "Site robustness" in html and "robustness.png" in html
 
 
-def test_site_robustness_after_all(workdir: Path):
-    """Every trained run's representation and the frozen encoder's, one row each (local_only: one per site model)."""
+def test_site_robustness_after_all_and_comparators(workdir: Path):
+    """Every reported run's representation and the frozen encoder's, one row each (local_only: one per site
+    model); the comparator local_only only once its runs exist (after `comparators`), as in the tables."""
     import csv
 
+    after_all = json.loads((workdir / "after_all.json").read_text())
+    methods = [r["method"] for r in csv.DictReader(after_all["robustness"].splitlines())]
+    assert methods == ["frozen_encoder", "fedavg_peft", "past_v2"]
+    assert "past_v2" in after_all["robustness_table"] and "local_only" not in after_all["robustness_table"]
     with (workdir / "results/metrics/robustness.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [(r["method"], r["model"], r["encoder_state"]) for r in rows] == [
