@@ -222,3 +222,24 @@ def test_the_methods_guide_reading_is_the_renderers_output_on_the_committed_rows
     rows = read_robustness_csv(REPO / "docs/experiments/robustness_embedded_default.csv")
     assert replace_block(guide, "robustness", robustness_reading(rows)) == guide
     assert "Reading:" in robustness_reading(rows)
+
+
+def test_a_stain_aware_method_counts_as_better_only_beyond_two_standard_errors_of_the_seed_differences():
+    from scipy.stats import sem
+
+    from fedhisto.metrics.robustness import compare
+    from fedhisto.metrics.robustness_reading import better
+
+    def rows(method: str, apd: list[float]) -> list[dict]:
+        return [{"method": method, "seed": s, "model": "global", "encoder_state": "adapted", "ri": 0.9, "apd": a}
+                for s, a in zip((11, 22, 33, 44, 55), apd, strict=True)]
+
+    ref = [-0.07, -0.07, -0.06, 0.02, -0.01]
+    noisy = [-0.05, -0.06, -0.03, 0.00, -0.05]  # the embedded default's v2 against FedAvg-PEFT: +0.0006 on average
+    c = compare(rows("past_v2", noisy) + rows("fedavg_peft", ref), "past_v2", "fedavg_peft")
+    diffs = [a - b for a, b in zip(noisy, ref, strict=True)]
+    assert c["apd"]["difference_se"] == pytest.approx(sem(diffs)) and c["apd"]["higher_in"] == 3
+    assert not better(c, "apd")  # 3 of 5 seeds higher, mean far inside the seed-to-seed spread
+    clear = [a + 0.03 + 0.001 * k for k, a in enumerate(ref)]
+    c = compare(rows("past_v2", clear) + rows("fedavg_peft", ref), "past_v2", "fedavg_peft")
+    assert better(c, "apd") and c["apd"]["difference_mean"] > 2 * sem([a - b for a, b in zip(clear, ref, strict=True)])

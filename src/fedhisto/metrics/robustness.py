@@ -209,6 +209,7 @@ def robustness_rows(runs: list[tuple], manifest_csv: str | Path, resamples: int,
                  f"{r['ri']:.3f}" if "ri" in r else "n/a", f"{r['apd']:.3f}" if "apd" in r else "n/a")
     return rows, skipped
 
+
 def number(v) -> float | None:
     return None if v in ("", None) else float(v)
 
@@ -250,6 +251,7 @@ def compare(rows: list[dict], method: str, reference: str) -> dict | None:
         diffs = [a[s] - b[s] for s in seeds]
         out[key] = {"seeds": seeds, "method_mean": float(np.mean([a[s] for s in seeds])),
                     "reference_mean": float(np.mean([b[s] for s in seeds])), "difference_mean": float(np.mean(diffs)),
+                    "difference_se": float(np.std(diffs, ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None,
                     "higher_in": sum(d > 0 for d in diffs)}
     return out
 

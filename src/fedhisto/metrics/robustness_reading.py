@@ -31,10 +31,18 @@ def _pm(mean: float | None, sd: float | None, digits: int = 3) -> str:
 SATURATED = 0.95  # every RI above this: neighbourhoods are by class almost everywhere, RI cannot rank methods
 
 
+SE_MARGIN = 2.0  # a difference counts when its seed-matched mean exceeds this many standard errors
+
+
 def better(c: dict, key: str) -> bool:
-    """Higher (RI: less site-driven; APD: closer to 0) on average and in most matched seeds."""
+    """Higher (RI: less site-driven; APD: closer to 0) on average, in most matched seeds, and by more than
+    ``SE_MARGIN`` standard errors of the seed-matched differences: a mean a fraction of the seed-to-seed spread
+    above the reference is noise, not a finding (with one matched seed there is no spread: never counted)."""
     d = c.get(key)
-    return bool(d) and d["difference_mean"] > 0 and d["higher_in"] > len(d["seeds"]) / 2
+    if not d or d.get("difference_se") is None:
+        return False
+    return (d["difference_mean"] > SE_MARGIN * d["difference_se"] and d["difference_mean"] > 0
+            and d["higher_in"] > len(d["seeds"]) / 2)
 
 
 def verdict(c: dict) -> str:
@@ -82,8 +90,9 @@ def robustness_reading(rows: list[dict]) -> str:
         reading.append(f"RI lies between {min(ris):.3f} and {max(ris):.3f} for every representation, the frozen "
                        "encoder's included: an image's nearest neighbours share its class across sites almost "
                        "everywhere, so on this cohort RI cannot rank the methods.")
-    reading.append(f"By RI, {len(by_ri)} of {n} stain-aware methods are less site-identifiable than "
-                   f"`{READING['reference']}`{_methods(by_ri)}.")
+    reading.append(f"Counting a difference only when its seed-matched mean exceeds {SE_MARGIN:g} standard errors "
+                   f"and most seeds agree: by RI, {len(by_ri)} of {n} stain-aware methods are less "
+                   f"site-identifiable than `{READING['reference']}`{_methods(by_ri)}.")
     if any("apd" in c for c in comparisons):
         reading.append(f"By APD, {len(by_apd)} of {n} are less prone to a site shortcut{_methods(by_apd)}: "
                        "a class probe on their representation loses less when its training images tie class "
