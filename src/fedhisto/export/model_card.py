@@ -155,7 +155,8 @@ def domain_markdown(d: dict) -> list[str]:
     if loso and loso["pooled_rate"] is not None:
         sites = ", ".join(f"{s} {r:.1%}" for s, r in loso["sites"].items())
         lines[-1] += (f" Each training site's holdout judged by the other sites' threshold: {loso['pooled_rate']:.1%} "
-                      f"of {loso['images']} images flagged ({sites}); a new in-domain site can expect about that.")
+                      f"of {loso['images']} images flagged ({sites}): how far the stated rate carries to a site the "
+                      "threshold never saw.")
     return [*lines, ""]
 
 
