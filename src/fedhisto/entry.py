@@ -14,7 +14,9 @@ def study_config(raw: dict[str, Any] | None, source: str = "config") -> Config:
     """A run's config: :func:`fedhisto.config.study.load_config`, then the checks that need the methods
     themselves, which the torch-free config package cannot make: with ``privacy.enabled``, every method
     must declare a per-image objective and the budget must be reachable
-    (:func:`fedhisto.methods.dp_capability.check_privacy`, refusals by name). Every entry point a user
+    (:func:`fedhisto.methods.dp_capability.check_privacy`, refusals by name), and with
+    ``secure_aggregation.enabled`` every method must declare a server step over sums
+    (:func:`fedhisto.methods.secure_capability.check_secure`). Every entry point a user
     starts a run from (the Snakefiles, ``fedhisto check-config``, the stage scripts, the Flower apps)
     builds its config here."""
     cfg = load_config(raw, source=source)
@@ -23,6 +25,13 @@ def study_config(raw: dict[str, Any] | None, source: str = "config") -> Config:
 
         try:
             check_privacy(cfg)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    if cfg.secure_aggregation.enabled:  # each method's own declaration (methods.secure_capability)
+        from fedhisto.methods.secure_capability import check_secure
+
+        try:
+            check_secure(cfg)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     return cfg

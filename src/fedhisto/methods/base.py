@@ -40,9 +40,11 @@ from fedhisto.config.study import Config
 from fedhisto.data.device_views import device_views
 from fedhisto.data.splits import Split
 from fedhisto.data.views import training_views
-from fedhisto.fedmath.aggregate import aggregate
+from fedhisto.fedmath.aggregate import aggregate, lora_pairs
+from fedhisto.fedmath.secure_sums import Terms, delta_svd_from_means, lora_products
 from fedhisto.fedmath.weights import SampleMass
 from fedhisto.methods.dp_objective import PrivateObjective, image_ce
+from fedhisto.methods.secure_capability import SecureAggregation, SecureSums, SiteStatistics
 from fedhisto.model.peft_model import DESCRIPTOR_DIM, FedHistoModel
 
 GLOBAL = "global"
@@ -370,6 +372,45 @@ class Method:
         """The objective under DP-SGD of one participant's round; the default is the default objective
         (class-balanced CE over the views, ``terms_from_outputs`` without ``extra_terms``) per image."""
         return PrivateObjective(image_ce(run))
+
+    # ------------------------------------------------ under secure aggregation
+    # A method declares in its own file whether its server step can be written over masked sums
+    # (``methods.secure_capability``, docs/federation.md). The client hooks say what a site masks,
+    # the server hooks what the server makes of the sums; no server hook ever sees one site's record.
+    def secure_aggregation(self) -> SecureAggregation:
+        """What this method's server step needs under secure aggregation. Default: refused until declared."""
+        return SecureAggregation.refused(
+            f"its class {type(self).__module__}:{type(self).__qualname__} declares nothing (override "
+            "Method.secure_aggregation in the method's own file)")
+
+    def secure_terms(self, state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], scaling: float) -> Terms:
+        """Client: the terms this site adds, times its weight, to the round's masked sum. Default: what
+        the default ``aggregate_train`` (delta-SVD) needs, each LoRA pair's dense s B A and every other tensor."""
+        pairs = lora_pairs(list(state))
+        paired = {k for p in pairs for k in p}
+        return {**lora_products(state, scaling, pairs), **{k: v for k, v in state.items() if k not in paired}}
+
+    def aggregate_sums(self, sums: SecureSums, model: FedHistoModel) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+        """Server: the new member states and server state from the weighted sums (default: delta-SVD's
+        rank-r refactorisation of the weighted mean s B A, the weighted mean of the rest)."""
+        return {GLOBAL: delta_svd_from_means(sums.mean, sums.start, model.lora_scaling, self.cfg.model.lora_r)
+                }, sums.server_state
+
+    def secure_statistic(self, state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], scaling: float) -> Terms:
+        """Client (``weights: statistics``): the update vector D_k whose masked sum the weights are computed from."""
+        raise NotImplementedError(f"method {self.name!r} declares no statistics round")
+
+    def secure_weights(self, stats: SiteStatistics) -> dict[str, float]:
+        """Server (``weights: statistics``): the aggregation weights from the scalars the sites stated."""
+        raise NotImplementedError(f"method {self.name!r} declares no statistics round")
+
+    def secure_post_terms(self, upload: Any) -> Terms:
+        """Client (``post_uploads``): the terms of the upload after aggregation, summed masked (unweighted)."""
+        raise NotImplementedError(f"method {self.name!r} masks no upload after aggregation")
+
+    def aggregate_post_sums(self, sums: SecureSums, server_state: Any) -> Any:
+        """Server (``post_uploads``): the server state for the next round from the summed post-aggregation terms."""
+        raise NotImplementedError(f"method {self.name!r} masks no upload after aggregation")
 
     # ----------------------------------------------------------- accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:

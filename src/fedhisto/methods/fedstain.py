@@ -46,6 +46,7 @@ from fedhisto.methods.base import (
     balanced_cross_entropy,
     named_rng,
 )
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -176,6 +177,12 @@ class FedStain(Method):
     # its paper's Tables I-II and its authors' code train with Adam (no weight decay); ``protocol: study``
     # (the default) trains with the study's AdamW and is marked as a departure in the report
     assumptions = PaperAssumptions("FedStain (its paper's Tables I-II and code)", local_optimizer="adam")
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.refused(
+            "each site uploads its style statistics before training (pixel channel means and standard deviations, "
+            "feature skewness and kurtosis of a sample of its images) and the server sends every site the other "
+            "sites' rows: the rows are the payload itself, not a sum")
 
     def dp_refusal(self) -> str | None:
         return ("its loss does not decompose per sample: the representation alignment is a supervised contrastive "

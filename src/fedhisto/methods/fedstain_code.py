@@ -39,6 +39,7 @@ from fedhisto.fedmath.fedstain_ops import augmix, js_multi, representation_align
 from fedhisto.infra.settings_base import IF_CHANGED, Strict
 from fedhisto.methods.base import Batch, BatchInputs, LocalRun, Method, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.model.peft_model import FedHistoModel
 
 #: the code's JS clamps the mixture distribution at 1e-7
@@ -124,6 +125,12 @@ def fedstain_code_terms(model: FedHistoModel, x: torch.Tensor, y: torch.Tensor, 
 class FedStainCode(FedStain):
     """Server as ``FedStain`` (pool without the client's own rows, FedAvg); client: pixel moments up
     before training, three views per batch, the code's objective. No hook inside the encoder."""
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.refused(
+            "each site uploads its pixel statistics before training (channel skewness and kurtosis of a sample "
+            "of its images) and the server sends every site the other sites' rows: the rows are the payload "
+            "itself, not a sum")
 
     def dp_refusal(self) -> str | None:
         return ("its loss does not decompose per sample: the SupCon alignment of each generated view against the "

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from fedhisto.methods.base import Method
 from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.secure_capability import SecureAggregation
 
 
 class LocalOnly(Method):
@@ -29,3 +30,6 @@ class LocalOnly(Method):
 
     def dp_refusal(self) -> str | None:  # under DP: the default objective per image; nothing leaves a site
         return objective_refusal(self.cfg)  # no exchange: each returned client's state is its model
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.not_applicable("nothing is exchanged: each site trains and keeps its own model")

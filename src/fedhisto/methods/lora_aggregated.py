@@ -41,6 +41,7 @@ from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
 from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
 from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -127,6 +128,28 @@ class LoraAggregated(Method):
         folded residual sum_k a_k s B_k A_k - s B' A': the server computes it from the released (noised)
         factors, never from anything a site did not release."""
         return objective_refusal(self.cfg)
+
+    # ------------------------------------------------ under secure aggregation
+    def secure_aggregation(self) -> SecureAggregation:
+        """Each aggregator masks what its server step sums (``Aggregator.secure_form``) with sample-mass weights."""
+        form = self.aggregator.secure_form
+        if form is None or self.own_holdout:
+            return SecureAggregation.refused(
+                f"{self.aggregator.name} keeps B at each site and one model per site; the Flower engine runs one "
+                "global model, and the in-process engine's server holds each site's B to rebuild its model")
+        return SecureAggregation(True, "public_counts", f"{form}; adapter and classifier",
+                                 ("each site's sample count n_k (public since site preparation)",))
+
+    def secure_terms(self, state, start, scaling):
+        from fedhisto.fedmath.lora_aggregators import secure_state_terms
+
+        return secure_state_terms(self.aggregator, state, scaling)
+
+    def aggregate_sums(self, sums, model):
+        from fedhisto.fedmath.lora_aggregators.fold import aggregate_means_with_fold
+
+        return {GLOBAL: aggregate_means_with_fold(self.aggregator, sums.mean, model.lora_scaling, self.cfg.model.lora_r,
+                                                  sums.start, base_dtype(model))}, sums.server_state
 
     # ------------------------------------------------------------ accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from fedhisto.data.splits import Split
 from fedhisto.methods.base import GLOBAL, Method
 from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.secure_capability import SecureAggregation
 
 POOLED = "pooled"
 
@@ -31,3 +32,6 @@ class Pooled(Method):
 
     def dp_refusal(self) -> str | None:  # under DP: the default objective per image, the union as one site
         return objective_refusal(self.cfg)
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.not_applicable("the centralised reference: the images are in one place and nothing is aggregated")

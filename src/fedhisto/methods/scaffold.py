@@ -92,6 +92,7 @@ from fedhisto.methods.base import (
     training_autocast,
 )
 from fedhisto.methods.dp_objective import PrivateObjective, image_ce, objective_refusal
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.model.peft_model import FedHistoModel
 
 State = dict[str, torch.Tensor]
@@ -333,6 +334,17 @@ class Scaffold(Method):
             return None if drift is None else self.settings.correction_scale * drift
 
         return PrivateObjective(image_ce(run), correction_term)
+
+    def secure_aggregation(self) -> SecureAggregation:
+        """The model step and c+ are sums, but the variates of each site are kept per site by the server."""
+        if self.pre_uploads:
+            return SecureAggregation.refused(
+                "train.scaffold.variates: start_gradient: each site uploads its full-data gradient g_i before "
+                "training and the server sends it back c - g_i, so every g_i is seen in the clear")
+        return SecureAggregation.refused(
+            "the server keeps each site's control variate c_i (these sites keep no state between rounds) and "
+            "updates it from that site's returned state, c_i+ - c_i = (x - y_i) / (K_i eta_l) - c: the site's "
+            "update in the clear; keeping c_i at the site would leave only sums (not implemented)")
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"control_variates": 2 * len(availability) * payload_bytes}

@@ -29,3 +29,13 @@ class FFALoRA(Aggregator):
                 raise ValueError(f"ffa_lora: client {k}'s A differs from the shared A_0 (A must stay frozen: a site "
                                  "trained it)")
         return Pair(a0.clone(), weighted_mean([b for _, b in factors], weights))
+
+    # Under secure aggregation A never leaves a site (it is A_0, the server's too), so the server cannot
+    # check that a site kept it frozen, as ``pair`` does in the clear.
+    secure_form = "B_k (A stays A_0, never uploaded)"
+
+    def secure_pair_terms(self, a, b, scaling, a_key, b_key):
+        return {b_key: b}
+
+    def pair_from_means(self, mean, a_key, b_key, scaling, rank, start):
+        return Pair(start[a_key].clone(), mean(b_key))
