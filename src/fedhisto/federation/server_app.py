@@ -145,6 +145,15 @@ def evaluation_targets(value: str) -> list:
     return out
 
 
+def secure_config(cfg, rc: dict):
+    """Run config ``secure-aggregation = true`` (``fedhisto federate --secure-aggregation``) turns on the
+    config's ``secure_aggregation`` block, its settings as the config file gives them; the run's method
+    is then checked by ``server.check_federable`` (its own declaration)."""
+    if not bool(rc.get("secure-aggregation", False)) or cfg.secure_aggregation.enabled:
+        return cfg
+    return cfg.model_copy(update={"secure_aggregation": cfg.secure_aggregation.model_copy(update={"enabled": True})})
+
+
 def _sites(value: str) -> list[str]:
     return sorted(s.strip() for s in str(value).split(",") if s.strip())
 
@@ -155,7 +164,7 @@ def main(grid: Grid, context: Context) -> None:
     log_dir = str(rc.get("log-dir", ""))
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-    cfg = study_config_file(str(rc["config"]))
+    cfg = secure_config(study_config_file(str(rc["config"])), rc)
     sites = _sites(rc["sites"])
     fed = FederatedRun(cfg, str(rc["method"]), int(rc["seed"]), sites, str(rc["out-dir"]),
                        str(rc["dataset-identity"]), str(rc["descriptors"]),
@@ -163,6 +172,7 @@ def main(grid: Grid, context: Context) -> None:
                        events=Path(log_dir) / "events.jsonl" if log_dir else None,
                        pause_between_rounds=float(rc.get("pause-between-rounds", 0.0)))
     fed.after_round = lambda: dump_audit(log_dir)
+    fed.secure_timeout = float(rc.get("secure-timeout", 120.0))
     run_base = {"method": fed.method.name, "seed": fed.seed, "config": fed.cfg_json}
     poll = float(rc.get("poll-interval", 0.2))
     targets = evaluation_targets(str(rc.get("evaluate", "")))
