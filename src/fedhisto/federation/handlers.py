@@ -136,6 +136,10 @@ def handle(action: str, content: RecordDict, node_config: dict, run_config: dict
     t0 = time.perf_counter()
     timings: dict[str, float] = {"process_age_s": process_age_s(), "start_unix": time.time()}
     try:
+        if "secaggplus_configs" in content.config_records:  # only client_app routes these, with its Context
+            raise RuntimeError("a stage of Flower's SecAgg+ reached a process without Flower's Context (the fast "
+                               "path's site worker): secure aggregation runs on stock Flower processes (fedhisto "
+                               "site without --fastpath)")
         if action not in HANDLERS:
             raise ValueError(f"unknown message type {action!r}")
         site, run = _site(content, node_config, run_config)
