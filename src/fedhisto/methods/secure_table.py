@@ -123,3 +123,33 @@ def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
         lines.append(f"| {name} | {runs} | {learns} | {masked} | {diff} | {max(sites - least, 0)} of {sites} "
                      f"(at least {least} must remain) |")
     return "\n".join(lines) + "\n"
+
+
+#: The name of the generated block in docs/federation.md and docs/methods.md.
+BLOCK = "secure_aggregation"
+#: The tiny encoder's model as the embedded default (config/config.yaml) builds it; HIBOU-B's is the study's.
+TINY_MODEL = {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 32, "film_hidden": 32}
+
+
+def render_secure_aggregation() -> str:
+    """The block as the guides hold it: every registered method, five sites, the default secure-aggregation
+    settings, the embedded default's tiny model and the study's HIBOU-B model."""
+    from fedhisto.config.study import load_config
+
+    return secure_aggregation_table(load_config({"model": TINY_MODEL}), sites=5)
+
+
+def with_block(text: str, name: str, body: str) -> str:
+    """``text`` with the lines between ``<!-- generated:NAME begin -->`` and ``... end -->`` replaced by ``body``."""
+    begin, end = f"<!-- generated:{name} begin -->", f"<!-- generated:{name} end -->"
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"expected one {begin} ... {end} pair")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body}{end}{tail}"
+
+
+def block_of(text: str, name: str) -> str:
+    """The lines between the two markers of block ``name`` (what ``with_block`` wrote)."""
+    begin, end = f"<!-- generated:{name} begin -->\n", f"<!-- generated:{name} end -->"
+    return text.split(begin, 1)[1].split(end, 1)[0]
