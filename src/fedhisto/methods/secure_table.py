@@ -81,7 +81,7 @@ def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
 
     s = cfg.secure_aggregation
     bound = mean_bound(Quantiser(s.clipping_range, s.quantization_levels), sites, 1.0)
-    shares, threshold = secagg_threshold(sites, s.num_shares, s.reconstruction_threshold)
+    _, threshold = secagg_threshold(sites, s.num_shares, s.reconstruction_threshold)
     models: dict[tuple[str, bool], Any] = {}  # the trainable state depends on the encoder and FiLM only
 
     def model_of(encoder: str, name: str, model_cfg: Any):
