@@ -17,17 +17,28 @@ import torch
 from flwr.app import RecordDict
 
 from fedhisto.federation.records import state_record
-from fedhisto.federation.server import FlowerParticipants
 from fedhisto.train.secure_round import Kept, run_secure_round
 
 
-class SecureFlowerParticipants(FlowerParticipants):
-    """``train.secure_round.SecureParticipants`` over Flower: the server holds no site's update."""
+class SecureFlowerParticipants:
+    """``train.secure_round.SecureParticipants`` over Flower (around ``server.FlowerParticipants``, whose
+    messages it sends): the server holds no site's update."""
 
     round_driver = staticmethod(run_secure_round)
 
+    def __init__(self, flower) -> None:
+        self.flower, self.run, self.ex = flower, flower.run, flower.ex
+        self.names = flower.names
+
+    @property
+    def traffic(self) -> dict:
+        return self.flower.traffic
+
+    def row_extra(self) -> dict:
+        return self.flower.row_extra()
+
     def train_and_keep(self, r, starts, payloads):
-        ok, lost = self._train(r, starts, payloads)
+        ok, lost = self.flower._train(r, starts, payloads)
         out = {}
         for n, rd in ok.items():
             if "state" in rd or "secure" not in rd:  # a site on a config without secure aggregation: refused
@@ -69,9 +80,10 @@ class SecureFlowerParticipants(FlowerParticipants):
                 for n, rd in ok.items()}, lost
 
     def post_and_keep(self, r, members, uploaders):
-        return self.post(r, members, uploaders)
+        return self.flower.post(r, members, uploaders, upload_of=self._layout)
 
-    def _upload(self, reply: RecordDict):
+    @staticmethod
+    def _layout(reply: RecordDict):
         if "upload" in reply or "secure" not in reply:
             raise RuntimeError("a site's post-aggregation reply carries its upload in the clear under secure aggregation")
         return [(name, tuple(shape)) for name, shape in json.loads(str(reply["secure"]["layout"]))]

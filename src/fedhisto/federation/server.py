@@ -161,7 +161,7 @@ class FederatedRun:
         if self.cfg.secure_aggregation.enabled:
             from fedhisto.federation.secure_server import SecureFlowerParticipants
 
-            parts = SecureFlowerParticipants(self, ex)
+            parts = SecureFlowerParticipants(parts)
         self._event(event="start")
 
         def after_round(ckpt: dict) -> None:
@@ -289,10 +289,11 @@ class FlowerParticipants:
                 del ok[n]
         return ok, lost
 
-    def post(self, r, members, uploaders):
+    def post(self, r, members, uploaders, upload_of=None):
         """One ``evaluate.post`` per uploader (its start state under the new members) and to each evaluation
         site (every member, and the validation flag); every evaluation site must answer. Uploaders that
-        are also evaluation sites do both in one message."""
+        are also evaluation sites do both in one message. ``upload_of``: what an uploader's reply gives
+        (default: its upload; under secure aggregation the layout of the terms it kept)."""
         from fedhisto.federation.evaluate import validation_from_counts
 
         eval_sites = self.run.eval_sites
@@ -307,12 +308,10 @@ class FlowerParticipants:
         if missing:
             raise ClientUnavailable(f"round {r + 1}: evaluation site(s) did not validate ({missing}); "
                                     "resume when they are back")
-        after = {n: self._upload(ok[n]) for n in uploaders if n in ok}
+        upload_of = upload_of or (lambda reply: get_value(reply, "upload"))
+        after = {n: upload_of(ok[n]) for n in uploaders if n in ok}
         metrics = validation_from_counts({n: ok[n] for n in eval_sites})
         return after, {n: why for n, why in lost.items() if n in uploaders}, metrics
-
-    def _upload(self, reply: RecordDict):
-        return get_value(reply, "upload")
 
     def row_extra(self) -> dict:
         traffic, self.traffic = self.traffic, {}

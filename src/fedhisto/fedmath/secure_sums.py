@@ -21,7 +21,7 @@ divides by the survivors' public weights) by less than ``K 2c / (levels sum_k a_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,21 +170,3 @@ def refactorise(dense_update: torch.Tensor, scaling: float, rank: int) -> tuple[
         a = torch.cat([a, a.new_zeros(rank - keep, a.shape[1])], dim=0)
     return a, b
 
-
-def delta_svd_from_means(mean: Callable[[str], torch.Tensor], start: Mapping[str, torch.Tensor], scaling: float,
-                         rank: int) -> dict[str, torch.Tensor]:
-    """The default server step (``fedmath.aggregate``: delta-SVD and the weighted mean) from masked sums:
-    each LoRA pair refactorised from the mean ``s B A`` (``mean(a_key)``), every other trainable tensor its
-    mean (``mean(key)``), in the start state's dtypes."""
-    from fedhisto.fedmath.aggregate import lora_pairs
-    from fedhisto.fedmath.lora_aggregators.fold import is_folded
-
-    out = {}
-    pairs = lora_pairs(list(start))
-    for a_key, b_key in pairs:
-        a, b = refactorise(mean(a_key), scaling, rank)
-        out[a_key], out[b_key] = a.to(start[a_key].dtype), b.to(start[b_key].dtype)
-    paired = {k for p in pairs for k in p}
-    for key in sorted(k for k in set(start) - paired if not is_folded(k)):
-        out[key] = mean(key).to(start[key].dtype)
-    return out

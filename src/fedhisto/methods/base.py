@@ -40,8 +40,8 @@ from fedhisto.config.study import Config
 from fedhisto.data.device_views import device_views
 from fedhisto.data.splits import Split
 from fedhisto.data.views import training_views
-from fedhisto.fedmath.aggregate import aggregate, lora_pairs
-from fedhisto.fedmath.secure_sums import Terms, delta_svd_from_means, lora_products
+from fedhisto.fedmath.aggregate import aggregate, delta_svd_from_means, lora_pairs
+from fedhisto.fedmath.secure_sums import Terms, lora_products
 from fedhisto.fedmath.weights import SampleMass
 from fedhisto.methods.dp_objective import PrivateObjective, image_ce
 from fedhisto.methods.secure_capability import SecureAggregation, SecureSums, SiteStatistics

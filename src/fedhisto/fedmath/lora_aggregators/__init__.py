@@ -151,9 +151,7 @@ def aggregate_states(agg: Aggregator, states: Sequence[State], weights: Sequence
 
 def secure_state_terms(agg: Aggregator, state: State, scaling: float) -> dict:
     """A site's masked terms under ``agg``: each pair's (``secure_pair_terms``), every other trainable tensor."""
-    from fedhisto.fedmath.lora_aggregators.fold import trainable_part
-
-    state = trainable_part(state)
+    state = {k: v for k, v in state.items() if not k.startswith(FOLDED)}  # the trainable part (fold.py's)
     out: dict = {}
     pairs = lora_pairs(list(state))
     for a_key, b_key in pairs:
@@ -167,9 +165,7 @@ def aggregate_means(agg: Aggregator, mean, start: State, scaling: float, rank: i
                     ) -> tuple[State, dict[str, torch.Tensor]]:
     """``aggregate_states`` from the weighted means of the sites' ``secure_state_terms`` (``mean(name)``),
     in the start state's dtypes."""
-    from fedhisto.fedmath.lora_aggregators.fold import trainable_part
-
-    start = trainable_part(start)
+    start = {k: v for k, v in start.items() if not k.startswith(FOLDED)}
     out: State = {}
     residuals: dict[str, torch.Tensor] = {}
     pairs = lora_pairs(list(start))
