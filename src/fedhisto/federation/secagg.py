@@ -96,9 +96,10 @@ class MaskedSum:
 
 
 def masked_sum(grid: Any, nodes: dict[str, int], weights: dict[str, float], round_idx: int, key: str,
-               settings: Any, timeout: float, poll: float | None = 0.2) -> MaskedSum:
+               settings: Any, timeout: float, poll: float | None = 0.2, on_stage=None) -> MaskedSum:
     """``sum_k weights[k] * kept_k[key]`` over the sites that complete Flower's SecAgg+ (``settings``: the
-    ``secure_aggregation`` config block). None as the sum when fewer than the threshold remain."""
+    ``secure_aggregation`` config block). None as the sum when fewer than the threshold remain.
+    ``on_stage(name, sites)`` is called before each stage (the run's events)."""
     from flwr.common import FitIns, Parameters
     from flwr.compat.common import recorddict_compat  # noqa: F401 (the workflow's own codec, imported with it)
     from flwr.server.compat.legacy_context import LegacyContext
@@ -123,6 +124,8 @@ def masked_sum(grid: Any, nodes: dict[str, int], weights: dict[str, float], roun
         state = WorkflowState()
         restart = False
         for stage in (wf.setup_stage, wf.share_keys_stage, wf.collect_masked_vectors_stage, wf.unmask_stage):
+            if on_stage is not None:
+                on_stage(stage.__name__.removesuffix("_stage"), active)
             t0 = time.perf_counter()
             ok = stage(polling, ctx, state)
             answered = sorted(site_of[n] for n in state.active_node_ids)

@@ -59,8 +59,11 @@ class SecureFlowerParticipants:
         lost = {s: "no SuperNode for this site is connected" for s in weights if s not in nodes}
         self.run._event(event="send", action=f"secagg:{key}", round=r + 1, sites=sorted(nodes))
         t0 = time.perf_counter()
+        def on_stage(stage: str, sites: list[str]) -> None:
+            self.run._event(event="secagg_stage", key=key, stage=stage, round=r + 1, sites=sites)
+
         got = masked_sum(ex.grid, nodes, {s: weights[s] for s in nodes}, r, key, self.run.cfg.secure_aggregation,
-                         self.run.secure_timeout, getattr(ex, "poll", 0.2))
+                         self.run.secure_timeout, getattr(ex, "poll", 0.2), on_stage)
         lost.update(got.lost)
         self.traffic[f"secagg:{key}"] = {"s": round(time.perf_counter() - t0, 3), "stages": got.stages}
         self.run._event(event="received", action=f"secagg:{key}", round=r + 1, ok=got.survivors, unavailable=lost)
