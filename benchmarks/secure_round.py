@@ -74,18 +74,24 @@ def hibou(method: str, pairs: int) -> list[dict]:
         keep(grid.states[100 + k], "terms", 0, m.secure_terms(st, start, scaling))
     order = layout(m.secure_terms(states[0], start, scaling))
 
+    stages: dict = {}
+
     def secure() -> float:
         t0 = time.perf_counter()
         got = masked_sum(grid, {s: 100 + k for k, s in enumerate(SITES)}, weights, 0, "terms",
                          cfg.secure_aggregation, timeout=600, poll=None)
+        t1 = time.perf_counter()
         sums = {name: torch.from_numpy(a).reshape(shape) for (name, shape), a in zip(order, got.sum, strict=True)}
         m.aggregate_sums(SecureSums(0, sums, weights, start), meta_like(meta, scaling))
+        stages.update({x["stage"]: x["s"] for x in got.stages if "stage" in x}, server_step=time.perf_counter() - t1,
+                      up_bytes_per_site=got.stages[-1]["up_bytes"] / len(SITES))
         return time.perf_counter() - t0
 
     out = []
     for _ in range(pairs):
         a, b = plain(), secure()
-        out.append({"plain_s": round(a, 3), "secure_s": round(b, 3), "ratio": round(b / a, 1)})
+        out.append({"plain_s": round(a, 3), "secure_s": round(b, 3), "ratio": round(b / a, 1),
+                    "secure_parts_s": {k: round(v, 3) for k, v in stages.items()}})
         print(out[-1], flush=True)
     return out
 
