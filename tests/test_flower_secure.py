@@ -399,3 +399,18 @@ def test_deployment_secure_aggregation_tls_auth_and_a_killed_supernode(prepared:
         else:
             _assert_pairs_match(got, ref, bound)
     shutil.rmtree(wd / "flwr_home", ignore_errors=True)
+
+
+def test_a_false_run_config_flag_is_false_on_the_wire_and_at_the_server_app():
+    """``fedhisto federate`` passes every run-config key; a boolean must reach the ServerApp as a boolean."""
+    from flwr.common.config import parse_config_args
+
+    from fedhisto.config.study import load_config
+    from fedhisto.federation.deploy import run_config_arg
+    from fedhisto.federation.server_app import secure_config
+
+    values = {"secure-aggregation": False, "sealed": True, "method": "past_v2", "round-timeout": 900.0}
+    assert parse_config_args([run_config_arg(values)]) == values
+    cfg = load_config({})
+    assert not secure_config(cfg, {"secure-aggregation": "False"}).secure_aggregation.enabled
+    assert secure_config(cfg, {"secure-aggregation": True}).secure_aggregation.enabled
