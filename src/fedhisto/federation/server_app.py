@@ -145,11 +145,20 @@ def evaluation_targets(value: str) -> list:
     return out
 
 
+def run_flag(value) -> bool:
+    """A boolean run-config value: TOML's true/false, or a string that spells one ("False" is false)."""
+    if isinstance(value, str):
+        if value.strip().lower() not in ("true", "false", "1", "0", ""):
+            raise ValueError(f"run config: {value!r} is not true or false")
+        return value.strip().lower() in ("true", "1")
+    return bool(value)
+
+
 def secure_config(cfg, rc: dict):
     """Run config ``secure-aggregation = true`` (``fedhisto federate --secure-aggregation``) turns on the
     config's ``secure_aggregation`` block, its settings as the config file gives them; the run's method
     is then checked by ``server.check_federable`` (its own declaration)."""
-    if not bool(rc.get("secure-aggregation", False)) or cfg.secure_aggregation.enabled:
+    if not run_flag(rc.get("secure-aggregation", False)) or cfg.secure_aggregation.enabled:
         return cfg
     return cfg.model_copy(update={"secure_aggregation": cfg.secure_aggregation.model_copy(update={"enabled": True})})
 
@@ -178,7 +187,7 @@ def main(grid: Grid, context: Context) -> None:
     targets = evaluation_targets(str(rc.get("evaluate", "")))
     reached = sorted({*sites, *fed.eval_sites, *(t.site for t in targets)})
     ex = GridExchange(grid, reached, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
-                      run_base, poll=poll if poll > 0 else None, sealed=bool(rc.get("sealed", True)))
+                      run_base, poll=poll if poll > 0 else None, sealed=run_flag(rc.get("sealed", True)))
     try:
         ex.discover()
         fed._event(event="discovered", site_to_node={k: str(v) for k, v in ex.site_to_node.items()})
