@@ -438,3 +438,14 @@ def test_the_guides_hold_the_generated_secure_aggregation_table():
     for name in method_names():  # the guide names what the coordinator learns for every method
         assert f"| {name} |" in body
     assert load_config_file(REPO / "config/config.yaml").model.adapter_hidden == 32  # the tiny model it describes
+
+
+@pytest.mark.parametrize("method", ["local_only", "pooled"])
+def test_a_reference_that_aggregates_nothing_runs_as_without_secure_aggregation(prepared, tmp_path, method):
+    from conftest import train
+
+    train(prepared, method, tmp_path / "plain", secure_cfg(prepared, (method,), secure=False))
+    train(prepared, method, tmp_path / "secure", secure_cfg(prepared, (method,)))
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False)["members"] for d in ("plain", "secure"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[m][k], b[m][k]) for m in a for k in a[m])
