@@ -72,17 +72,9 @@ class GridExchange:
         self.reply_info: dict[str, dict] = {}  # the last reply's ``info`` record per site (timings)
 
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
-        if self.poll is None:
-            return list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        ids = set(self.grid.push_messages(messages))
-        end, out = time.time() + self.timeout, []
-        while ids and time.time() < end:
-            got = list(self.grid.pull_messages(ids))
-            out += got
-            ids -= {m.metadata.reply_to_message_id for m in got}
-            if ids:
-                time.sleep(self.poll)
-        return out
+        from fedhisto.federation.secagg import PollingGrid  # the same push-then-poll the SecAgg+ stages use
+
+        return PollingGrid(self.grid, self.poll).send_and_receive(messages, timeout=self.timeout)
 
     def discover(self) -> dict[str, int]:
         """Map sites to node ids: registered names first; nameless nodes answer one ``query``."""
