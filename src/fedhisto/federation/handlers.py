@@ -139,7 +139,7 @@ def handle(action: str, content: RecordDict, node_config: dict, run_config: dict
         if "secaggplus_configs" in content.config_records:  # only client_app routes these, with its Context
             raise RuntimeError("a stage of Flower's SecAgg+ reached a process without Flower's Context (the fast "
                                "path's site worker): secure aggregation runs on stock Flower processes (fedhisto "
-                               "site without --fastpath)")
+                               "site without the fast path)")
         if action not in HANDLERS:
             raise ValueError(f"unknown message type {action!r}")
         site, run = _site(content, node_config, run_config)

@@ -40,7 +40,7 @@ def keep(state: RecordDict | None, key: str, round_idx: int, terms: dict) -> lis
     if state is None:
         raise RuntimeError("secure aggregation keeps a site's terms in the ClientApp's Context between messages; "
                            "this process has none (the fast path's site worker): run the site on stock Flower "
-                           "processes (fedhisto site without --fastpath)")
+                           "processes (fedhisto site without the fast path)")
     arrays, meta = {}, []
     for name in sorted(terms):
         t = terms[name]
