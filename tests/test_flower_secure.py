@@ -289,8 +289,8 @@ def test_deployment_secure_aggregation_tls_auth_and_a_killed_supernode(prepared:
     (``fedhisto site`` without --fastpath); one round each of fedavg_peft (delta-SVD: the product form, each
     site masks its dense s B_k A_k) and past_v2 (statistics, products and prototypes), and with
     FEDHISTO_SECURE_ALL=1 fedex_lora (factors and products), with ``--secure-aggregation``
-    (``secure-aggregation = true``). CI runs the first two to keep the Flower lane short (about 10 min on the
-    shared 2-core machine at load 15-19; fedex_lora adds about 2.5 min). In fedavg_peft's masked sum C5's SuperNode is
+    (``secure-aggregation = true``). CI runs the first two to keep the Flower lane short (347 s on the
+    shared 2-core machine at load 10; fedex_lora adds about 2.5 min). In fedavg_peft's masked sum C5's SuperNode is
     SIGKILLed once the collect stage is sent: SecAgg+ unmasks the four survivors' sum, which equals the
     equations over them; C5 rejoins for the others. Each aggregate equals the equations on the sites' own
     states within the bound, and the coordinator's audit shows no reply with a state, upload or loss."""
