@@ -13,7 +13,7 @@ the clear (every site's state packed as a message, ``records.state_record``, and
 ``fedmath.aggregate``: delta-SVD and the weighted mean). Secure: the whole of Flower's SecAgg+ for the
 round's masked sum (``federation.secagg.masked_sum`` over the ClientApp in this process,
 ``tests/flower_support.LocalGrid``: every site's keys, shares, products expanded, quantised and masked,
-and the server's unmasking) and the server step from the sum (``Method.aggregate_sums``). The process
+and the server's unmasking) and the server step from the sum (``Strategy.aggregate_sums``). The process
 runs every site one after the other, so a secure round's figure is the sites' work summed; real sites
 work in parallel.
 
@@ -71,8 +71,8 @@ def hibou(method: str, pairs: int) -> list[dict]:
 
     for k, st in enumerate(states):
         grid.states[100 + k] = RecordDict()
-        keep(grid.states[100 + k], "terms", 0, m.secure_terms(st, start, scaling))
-    order = layout(m.secure_terms(states[0], start, scaling))
+        keep(grid.states[100 + k], "terms", 0, m.objective.secure_terms(st, start, scaling))
+    order = layout(m.objective.secure_terms(states[0], start, scaling))
 
     stages: dict = {}
 

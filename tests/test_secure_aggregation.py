@@ -33,12 +33,12 @@ def secure_cfg(prepared: dict, methods: tuple[str, ...], rounds: int = 1, secure
 
 
 def undeclared(names: list[str]) -> list[str]:
-    """Registered methods whose class leaves ``Method.secure_aggregation`` as the base's (undeclared)."""
+    """Registered methods whose strategy leaves ``Strategy.secure_aggregation`` as the base's (undeclared)."""
     from fedhisto.methods import build_method
-    from fedhisto.methods.base import Method
+    from fedhisto.methods.strategy import Strategy
 
     cfg = load_config({})
-    return [n for n in names if type(build_method(n, cfg)).secure_aggregation is Method.secure_aggregation]
+    return [n for n in names if type(build_method(n, cfg)).secure_aggregation is Strategy.secure_aggregation]
 
 
 # ------------------------------------------------------------------ declarations
@@ -58,7 +58,7 @@ def test_every_registered_method_declares_secure_aggregation_in_its_own_class():
 def test_a_method_registered_without_a_declaration_is_caught_and_refused_by_name():
     from fedhisto.methods import register, unregister
 
-    register("undeclared_secure_test", "fedhisto.methods.base:Method")
+    register("undeclared_secure_test", "fedhisto.methods.strategy:Strategy")
     try:
         assert undeclared(["undeclared_secure_test"]) == ["undeclared_secure_test"]
         raw = {"train": {"methods": ["undeclared_secure_test"], "ablations": [], "ablation_seeds": []},
@@ -229,7 +229,7 @@ def test_fedadam_from_masked_means_is_its_step_on_the_sites_states(prepared: dic
                                              dict.fromkeys(names, 1), dict.fromkeys(names, 1), w, None), model)
     from fedhisto.fedmath.secure_sums import dense
 
-    terms = [m.secure_terms(st, start, model.lora_scaling) for st in states]
+    terms = [m.objective.secure_terms(st, start, model.lora_scaling) for st in states]
     sums = {k: sum(w[n] * dense(t[k]) for n, t in zip(names, terms, strict=True)) for k in terms[0]}
     secure, state = m.aggregate_sums(SecureSums(0, sums, w, start, None), model)
     for k, v in plain["global"].items():
@@ -339,7 +339,7 @@ def test_an_in_process_secure_round_of_past_v2_is_equations_4_and_5_and_its_prot
     model.load_trainable_state(ckpt["members"]["global"])
     parts = load_partitions(prepared["manifest"], cfg.views.crop_size)
     desc = m.descriptors(json.loads(Path(prepared["descriptors"]).read_text()), names)
-    uploads = [m.upload_after_aggregation(model, parts[n], desc[n], torch.device("cpu")) for n in names]
+    uploads = [m.objective.upload_after_aggregation(model, parts[n], desc[n], torch.device("cpu")) for n in names]
     from fedhisto.fedmath.prototypes import aggregate_prototypes
 
     ref = aggregate_prototypes(uploads, 3, uploads[0].centroids[0].numel())

@@ -1,7 +1,7 @@
 """A site's half of secure aggregation on Flower: what it keeps between messages, and what it masks.
 
 After training (``train`` under ``secure_aggregation.enabled``) the site does not send its state: it
-keeps its terms (``Method.secure_terms``, and for statistics weights its update ``secure_statistic``)
+keeps its terms (``Objective.secure_terms``, and for statistics weights its update ``secure_statistic``)
 in the ClientApp's ``Context.state``, the record Flower's SuperNode keeps for a run between messages,
 and answers its sample count, step count and the terms' layout. Then:
 

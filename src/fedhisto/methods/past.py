@@ -22,6 +22,7 @@ from pydantic import Field
 
 from fedhisto.data.splits import Split, eval_batches
 from fedhisto.fedmath.aggregate import lora_pairs
+from fedhisto.fedmath.lora_aggregators import aggregator, secure_state_terms
 from fedhisto.fedmath.losses import (
     feature_consistency,
     js_divergence,
@@ -47,13 +48,14 @@ from fedhisto.methods.base import (
     GLOBAL,
     Batch,
     LocalRun,
-    Method,
     RoundUpdate,
     client_descriptors,
     zero_descriptors,
 )
-from fedhisto.methods.dp_objective import ImageCE, PrivateObjective, objective_refusal
+from fedhisto.methods.dp_objective import ImageCE, PrivateObjective
+from fedhisto.methods.objective import Objective
 from fedhisto.methods.secure_capability import SecureAggregation
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 
 
@@ -113,11 +115,14 @@ class PastUnitLoss(ImageCE):
         return loss
 
 
-class PastFamily(Method):
-    def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
-                 prototypes: Literal["none", "v1", "v2"] = "none", paired_views: bool = False, js: bool = False,
-                 feat: bool = False, aggregation: Literal["sample_mass", "adaptive"] = "sample_mass",
-                 proximal: bool = False, stain_views: bool = False) -> None:
+class PastObjective(Objective):
+    """The family's clients: class-balanced CE on one or two stain views, JS and feature consistency between
+    the views, the prototype term against the round's global prototypes, FedProx's proximal term, and the
+    prototype upload after aggregation (study eq. 2, section 3.7)."""
+
+    def __init__(self, name, cfg, config_key=None, *, prototypes: Literal["none", "v1", "v2"] = "none",
+                 paired_views: bool = False, js: bool = False, feat: bool = False, proximal: bool = False,
+                 stain_views: bool = False) -> None:
         super().__init__(name, cfg, config_key)
         if stain_views and paired_views:
             raise ValueError(f"method {name!r}: stain_views is the single-view arm's switch (paired views are "
@@ -125,9 +130,120 @@ class PastFamily(Method):
         # issue 23: a stain-augmented single-view arm draws v2's first-view perturbation for its one view
         # (views.training_views with stain_single=True); the others follow views.single_view_stain
         self.stain_single = True if stain_views else None
-        self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
+        self.prototypes = prototypes
         self.paired_views, self.js, self.feat = paired_views, js, feat
-        self.aggregation, self.proximal = aggregation, proximal
+        self.proximal = proximal
+        chosen = self.settings.lora_aggregator if self.settings is not None else "delta_svd"
+        self.frozen_factor = aggregator(chosen).frozen_factor  # FFA-LoRA's A under train.past.lora_aggregator
+        # under secure aggregation a site masks the terms the server's aggregator sums (None: delta-SVD's)
+        self.lora_aggregator = None if chosen == "delta_svd" else aggregator(chosen)
+
+    def trained(self, start_state, payload):
+        """Under ``lora_aggregator: ffa_lora`` the sites keep A at its shared initialisation (FFA-LoRA)."""
+        frozen = self.frozen_factor
+        return {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
+
+    def extra_terms(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
+        p = self.settings
+        terms: dict[str, torch.Tensor] = {}
+        if self.paired_views and self.js:
+            terms["js"] = p.weight_js * js_divergence(logits[0], logits[1])
+        if self.paired_views and self.feat:
+            terms["feat"] = p.weight_feat * feature_consistency(zs[0], zs[1])
+        protos: ServerPrototypes | None = run.payload.get("prototypes")
+        if protos is not None and self.prototypes != "none" and protos.mask.any():
+            c, m, r = (protos.centroids.to(run.device), protos.mask.to(run.device), protos.reliability.to(run.device))
+            if self.prototypes == "v2":
+                loss = sum(prototype_v2(z, batch.y, c, m, r, p.proto_margin) for z in zs) / len(zs)
+            else:
+                loss = sum(prototype_v1(z, batch.y, c, m) for z in zs) / len(zs)
+            terms["proto"] = p.weight_proto * loss
+        if self.proximal:
+            terms["prox"] = proximal(run.params, run.start_state, p.fedprox_mu)
+        return terms
+
+    # ---------------------------------------------------------- under DP-SGD
+    def unit_loss(self, payload: dict, ce_weights: torch.Tensor, device: torch.device | str = "cpu") -> PastUnitLoss:
+        """The objective of one image for one round's payload (with the round's global prototypes, if any)."""
+        s = self.settings
+        protos = payload.get("prototypes")
+        use_protos = self.prototypes != "none" and protos is not None and bool(protos.mask.any())
+        return PastUnitLoss(
+            ce_weights=ce_weights.to(device), ce_views=self.cfg.train.readings.ce_views,
+            weight_js=s.weight_js if (self.paired_views and self.js) else 0.0,
+            weight_feat=s.weight_feat if (self.paired_views and self.feat) else 0.0,
+            weight_proto=s.weight_proto if use_protos else 0.0,
+            prototypes=self.prototypes if use_protos else "none",
+            centroids=protos.centroids.to(device) if use_protos else None,
+            mask=protos.mask.to(device) if use_protos else None,
+            reliability=protos.reliability.to(device) if use_protos else None,
+            margin=s.proto_margin)
+
+    def private_objective(self, run: LocalRun) -> PrivateObjective:
+        def proximal_term() -> torch.Tensor:  # FedProx's (mu/2)||theta - theta_global||^2: no data
+            return proximal(run.params, run.start_state, self.settings.fedprox_mu)
+
+        return PrivateObjective(self.unit_loss(run.payload, run.ce_weights, run.device),
+                                proximal_term if self.proximal else None)
+
+    # ------------------------------------------------ under secure aggregation
+    # What a site masks (the server's half, ``PastFamily.secure_aggregation``, says why): delta-SVD's
+    # dense products or the chosen aggregator's terms, its update D_k for adaptive weights, its prototypes.
+    def secure_terms(self, state, start, scaling):
+        if self.lora_aggregator is None:
+            return super().secure_terms(state, start, scaling)
+        return secure_state_terms(self.lora_aggregator, state, scaling)
+
+    def secure_statistic(self, state, start, scaling):
+        """D_k as ``client_weights`` sees it: the raw deltas, or (``adaptive_on: delta_w``) each pair's s (B A - B0 A0)."""
+        keys = [k for k in sorted(start) if not k.startswith("folded_base.")]
+        pairs = lora_pairs(keys) if self.cfg.train.readings.adaptive_on == "delta_w" else []
+        paired = {k for p in pairs for k in p}
+        return {**lora_products(state, scaling, pairs, start),
+                **{k: state[k].double() - start[k].double() for k in keys if k not in paired}}
+
+    def secure_post_terms(self, upload: ClientPrototypes):
+        dim = next(v.numel() for v in upload.centroids.values())
+        return prototype_terms(upload, N_CLASSES, dim, self.settings.proto_max_images)
+
+    # ------------------------------------------------- prototypes (study 3.7)
+    @torch.no_grad()
+    def upload_after_aggregation(self, model: FedHistoModel, data: Split, descriptor: torch.Tensor | None,
+                                 device: torch.device) -> ClientPrototypes | None:
+        """Centroids of at most ``proto_max_images`` optimisation images per present class (sample-id order)."""
+        if self.prototypes == "none":
+            return None
+        model.eval()
+        keep, seen = [], [0] * N_CLASSES
+        for i, y in enumerate(data.labels):
+            if seen[y] < self.settings.proto_max_images:
+                keep.append(i)
+                seen[y] += 1
+        subset = Split([data.ids[i] for i in keep], [data.labels[i] for i in keep], [data.images[i] for i in keep])
+        zs, ys = [], []
+        desc = descriptor.to(device)[None] if descriptor is not None else None
+        for x, y in eval_batches(subset, self.cfg.views, self.cfg.evaluate.eval_batch):
+            zs.append(model.embed(x.to(device), desc).float().cpu())
+            ys.append(y)
+        return client_prototypes(torch.cat(zs), torch.cat(ys), N_CLASSES)
+
+    @property
+    def post_uploads(self) -> bool:  # prototype rows upload centroids under the new model
+        return self.prototypes != "none"
+
+
+class PastFamily(Strategy):
+    """The family's server: descriptors (FiLM), the global prototypes sent each round, sample-mass or adaptive
+    weights, delta-SVD or another LoRA aggregator, and the prototype exchange after aggregation."""
+
+    objective_class = PastObjective
+
+    def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
+                 prototypes: Literal["none", "v1", "v2"] = "none",
+                 aggregation: Literal["sample_mass", "adaptive"] = "sample_mass") -> None:
+        super().__init__(name, cfg, config_key)
+        self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
+        self.aggregation = aggregation
         self.lora_aggregator = self._lora_aggregator()
 
     def _lora_aggregator(self):
@@ -141,8 +257,6 @@ class PastFamily(Method):
                              "B at each site, so a run has one model per site, and the PAST family keeps one global "
                              "model (its prototypes and adaptive weights are the global model's); train the "
                              "fedsa_lora method instead")
-        from fedhisto.fedmath.lora_aggregators import aggregator
-
         return aggregator(name)
 
     def descriptors(self, doc, participants):
@@ -171,74 +285,22 @@ class PastFamily(Method):
             update.weights.update(zip(names, weights, strict=True))
         if self.lora_aggregator is None:
             return super().aggregate_train(update, model)
+        from fedhisto.fedmath.lora_aggregators import check_frozen
         from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
         from fedhisto.methods.lora_aggregated import base_dtype
 
+        check_frozen(self.lora_aggregator, update.states, update.starts)
         names = sorted(update.states)
         merged = aggregate_with_fold(self.lora_aggregator, [update.states[n] for n in names],
                                      [update.weights[n] for n in names], model.lora_scaling, self.cfg.model.lora_r,
                                      update.starts[names[0]], base_dtype(model))
         return {GLOBAL: merged}, update.server_state
 
-    def trains(self, name: str) -> bool:
-        """Under ``lora_aggregator: ffa_lora`` the sites keep A at its shared initialisation (FFA-LoRA)."""
-        frozen = self.lora_aggregator.frozen_factor if self.lora_aggregator is not None else None
-        return not (frozen and f".{frozen}." in name)
-
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
         """Table 8: the study's exchange, or what the chosen LoRA aggregator sends (``message_bytes``)."""
         if self.lora_aggregator is None:
             return super().model_bytes(state, clients)
         return len(clients) * sum(self.lora_aggregator.message_bytes(state))
-
-    def extra_terms(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
-        p = self.settings
-        terms: dict[str, torch.Tensor] = {}
-        if self.paired_views and self.js:
-            terms["js"] = p.weight_js * js_divergence(logits[0], logits[1])
-        if self.paired_views and self.feat:
-            terms["feat"] = p.weight_feat * feature_consistency(zs[0], zs[1])
-        protos: ServerPrototypes | None = run.payload.get("prototypes")
-        if protos is not None and self.prototypes != "none" and protos.mask.any():
-            c, m, r = (protos.centroids.to(run.device), protos.mask.to(run.device), protos.reliability.to(run.device))
-            if self.prototypes == "v2":
-                loss = sum(prototype_v2(z, batch.y, c, m, r, p.proto_margin) for z in zs) / len(zs)
-            else:
-                loss = sum(prototype_v1(z, batch.y, c, m) for z in zs) / len(zs)
-            terms["proto"] = p.weight_proto * loss
-        if self.proximal:
-            terms["prox"] = proximal(run.params, run.start_state, p.fedprox_mu)
-        return terms
-
-    # ---------------------------------------------------------- under DP-SGD
-    def dp_refusal(self) -> str | None:
-        if self.prototypes != "none" and self.cfg.privacy.prototypes != "noised":
-            return ("it uploads class prototypes (centroids of the site's embeddings) every round, un-noised; set "
-                    "privacy.prototypes: noised to release them through the Gaussian mechanism")
-        return objective_refusal(self.cfg)
-
-    def unit_loss(self, payload: dict, ce_weights: torch.Tensor, device: torch.device | str = "cpu") -> PastUnitLoss:
-        """The objective of one image for one round's payload (with the round's global prototypes, if any)."""
-        s = self.settings
-        protos = payload.get("prototypes")
-        use_protos = self.prototypes != "none" and protos is not None and bool(protos.mask.any())
-        return PastUnitLoss(
-            ce_weights=ce_weights.to(device), ce_views=self.cfg.train.readings.ce_views,
-            weight_js=s.weight_js if (self.paired_views and self.js) else 0.0,
-            weight_feat=s.weight_feat if (self.paired_views and self.feat) else 0.0,
-            weight_proto=s.weight_proto if use_protos else 0.0,
-            prototypes=self.prototypes if use_protos else "none",
-            centroids=protos.centroids.to(device) if use_protos else None,
-            mask=protos.mask.to(device) if use_protos else None,
-            reliability=protos.reliability.to(device) if use_protos else None,
-            margin=s.proto_margin)
-
-    def private_objective(self, run: LocalRun) -> PrivateObjective:
-        def proximal_term() -> torch.Tensor:  # FedProx's (mu/2)||theta - theta_global||^2: no data
-            return proximal(run.params, run.start_state, self.settings.fedprox_mu)
-
-        return PrivateObjective(self.unit_loss(run.payload, run.ce_weights, run.device),
-                                proximal_term if self.proximal else None)
 
     # ------------------------------------------------ under secure aggregation
     # Delta-SVD needs sum_k a_k s B_k A_k: each site masks its dense products (or the chosen aggregator's
@@ -265,13 +327,6 @@ class PastFamily(Method):
         return SecureAggregation(True, "statistics" if self.aggregation == "adaptive" else "public_counts", summed,
                                  tuple(learns), masked_sums=rounds, min_sites=least)
 
-    def secure_terms(self, state, start, scaling):
-        if self.lora_aggregator is None:
-            return super().secure_terms(state, start, scaling)
-        from fedhisto.fedmath.lora_aggregators import secure_state_terms
-
-        return secure_state_terms(self.lora_aggregator, state, scaling)
-
     def aggregate_sums(self, sums, model):
         if self.lora_aggregator is None:
             return super().aggregate_sums(sums, model)
@@ -282,14 +337,6 @@ class PastFamily(Method):
                                                   self.cfg.model.lora_r, sums.start, base_dtype(model))
                 }, sums.server_state
 
-    def secure_statistic(self, state, start, scaling):
-        """D_k as ``client_weights`` sees it: the raw deltas, or (``adaptive_on: delta_w``) each pair's s (B A - B0 A0)."""
-        keys = [k for k in sorted(start) if not k.startswith("folded_base.")]
-        pairs = lora_pairs(keys) if self.cfg.train.readings.adaptive_on == "delta_w" else []
-        paired = {k for p in pairs for k in p}
-        return {**lora_products(state, scaling, pairs, start),
-                **{k: state[k].double() - start[k].double() for k in keys if k not in paired}}
-
     def secure_weights(self, stats):
         names = sorted(stats.counts)
         weights = Adaptive(floor=self.settings.adaptive_floor).from_statistics(
@@ -297,40 +344,12 @@ class PastFamily(Method):
             stats.sum_squared_norm, stats.summed_sites)
         return dict(zip(names, weights, strict=True))
 
-    def secure_post_terms(self, upload: ClientPrototypes):
-        dim = next(v.numel() for v in upload.centroids.values())
-        return prototype_terms(upload, N_CLASSES, dim, self.settings.proto_max_images)
-
     def aggregate_post_sums(self, sums, server_state):
         dim = sums.sums["proto:0:wu"].numel()
         return aggregate_prototypes_from_sums(sums.sums, N_CLASSES, dim, self.settings.proto_max_images,
                                               variant=self.settings.reliability).state()
 
     # ------------------------------------------------- prototypes (study 3.7)
-    @torch.no_grad()
-    def upload_after_aggregation(self, model: FedHistoModel, data: Split, descriptor: torch.Tensor | None,
-                                 device: torch.device) -> ClientPrototypes | None:
-        """Centroids of at most ``proto_max_images`` optimisation images per present class (sample-id order)."""
-        if self.prototypes == "none":
-            return None
-        model.eval()
-        keep, seen = [], [0] * N_CLASSES
-        for i, y in enumerate(data.labels):
-            if seen[y] < self.settings.proto_max_images:
-                keep.append(i)
-                seen[y] += 1
-        subset = Split([data.ids[i] for i in keep], [data.labels[i] for i in keep], [data.images[i] for i in keep])
-        zs, ys = [], []
-        desc = descriptor.to(device)[None] if descriptor is not None else None
-        for x, y in eval_batches(subset, self.cfg.views, self.cfg.evaluate.eval_batch):
-            zs.append(model.embed(x.to(device), desc).float().cpu())
-            ys.append(y)
-        return client_prototypes(torch.cat(zs), torch.cat(ys), N_CLASSES)
-
-    @property
-    def post_uploads(self) -> bool:  # prototype rows upload centroids under the new model
-        return self.prototypes != "none"
-
     def aggregate_uploads(self, uploads: dict[str, Any], server_state: Any) -> dict:
         got = [uploads[n] for n in sorted(uploads)]
         dim = next(v.numel() for u in got for v in u.centroids.values())

@@ -3,7 +3,7 @@
 Under ``secure_aggregation.enabled`` the coordinator never holds a site's update: each site uploads
 its contribution masked (Flower's SecAgg+ on a real federation), and the server step receives the
 weighted sum over the sites that answered (:class:`SecureSums`). A method says in its own file what
-its server step needs (``Method.secure_aggregation``, a :class:`SecureAggregation`):
+its server step needs (``Strategy.secure_aggregation``, a :class:`SecureAggregation`):
 
 - **public weights** (sample counts, or uniform): the server forms the weights from what the sites
   state in the clear and sends each its own before masking;

@@ -2,7 +2,7 @@
 learns, what a site uploads masked, how far the result is from the in-process aggregate, and how many
 sites a masked sum may lose (the block ``secure_aggregation`` of docs/federation.md and docs/methods.md).
 
-Everything comes from the registry and each method's own declaration (``Method.secure_aggregation``)
+Everything comes from the registry and each method's own declaration (``Strategy.secure_aggregation``)
 and hooks, on the real tensors' shapes: the tiny encoder's model as the given config builds it, and
 HIBOU-B's (``model.parameter_card.meta_model``: the real architecture on the meta device, no weights).
 Bytes are what Flower's SecAgg+ sends for the masked vectors: every array's values as 64-bit field
@@ -58,9 +58,9 @@ def round_bytes(method: Any, model: Any) -> tuple[int, int]:
     if not decl.runs or not decl.exchanges:
         return 0, plain
     scaling = model.lora_scaling
-    masked = masked_bytes(layout(method.secure_terms(state, state, scaling)))
+    masked = masked_bytes(layout(method.objective.secure_terms(state, state, scaling)))
     if decl.weights == "statistics":
-        masked += masked_bytes(layout(method.secure_statistic(state, state, scaling))) + 16  # + the two scalars
+        masked += masked_bytes(layout(method.objective.secure_statistic(state, state, scaling))) + 16  # + the two scalars
     if method.post_uploads:
         upload = ClientPrototypes({c: torch.zeros(dim) for c in range(3)}, {c: 1 for c in range(3)})
         masked += masked_bytes(layout(prototype_terms(upload, 3, dim, 1)))

@@ -4,14 +4,14 @@ The round of ``train.loop.run_round`` with the method's secure-aggregation hooks
 (``methods.secure_capability``, each method's own declaration):
 
 1. the server sends every participant its start state and payload; each trains and **keeps** what it
-   will mask (``Method.secure_terms``; with statistics weights also its update ``secure_statistic``),
+   will mask (``Objective.secure_terms``; with statistics weights also its update ``secure_statistic``),
    answering only public facts: its sample count, step count and the layout of its terms;
 2. the weights: sample mass from the stated counts, uniform, or (``weights: statistics``) a masked sum S
-   of the updates, then each site's ||D_k||^2 and D_k . S in the clear (``Method.secure_weights``);
+   of the updates, then each site's ||D_k||^2 and D_k . S in the clear (``Strategy.secure_weights``);
 3. a masked sum of ``a_k t_k`` over the sites; the server divides by the survivors' weights, which it
-   assigned, and runs ``Method.aggregate_sums``;
+   assigned, and runs ``Strategy.aggregate_sums``;
 4. (``post_uploads``) with the new global model each site keeps its upload's terms
-   (``secure_post_terms``); one more masked sum, ``Method.aggregate_post_sums``.
+   (``Objective.secure_post_terms``); one more masked sum, ``Strategy.aggregate_post_sums``.
 
 *How* a masked sum is computed is the participants' (``SecureParticipants``): Flower's SecAgg+ over
 stock processes (``federation.secure_server``), or here in process, :class:`SecureInProcess`, the same
@@ -42,8 +42,9 @@ from fedhisto.fedmath.secure_sums import (
     mean_bound,
     weighted_arrays,
 )
-from fedhisto.methods.base import GLOBAL, Method, stream_rng
+from fedhisto.methods.base import GLOBAL, stream_rng
 from fedhisto.methods.secure_capability import SecureSums, SiteStatistics
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.loop import ClientFailure, State, TooManyUnavailable, run_round
 
@@ -91,9 +92,9 @@ class SecureParticipants(Protocol):
     def row_extra(self) -> dict: ...
 
 
-def client_terms(method: Method, state: State, start: State, scaling: float, losses: dict[str, float]) -> Terms:
+def client_terms(method: Strategy, state: State, start: State, scaling: float, losses: dict[str, float]) -> Terms:
     """What a site masks in the contribution sum: its method's terms and its losses (a weighted mean is kept)."""
-    terms = method.secure_terms(state, start, scaling)
+    terms = method.objective.secure_terms(state, start, scaling)
     terms.update({f"{LOSS}{k}": torch.tensor(float(v) / LOSS_SCALE, dtype=torch.float64) for k, v in losses.items()})
     return terms
 
@@ -104,7 +105,7 @@ def _enough(what: str, r: int, sites: list[str] | dict, least: int, lost: dict[s
                                  f"aggregation of this method needs at least {least} (lost: {lost})")
 
 
-def run_secure_round(method: Method, parts: SecureParticipants, ckpt: dict, r: int, model: FedHistoModel
+def run_secure_round(method: Strategy, parts: SecureParticipants, ckpt: dict, r: int, model: FedHistoModel
                      ) -> tuple[dict, dict]:
     """One round (see the module docstring); the history row records the weights the server assigned
     (over the survivors), the weighted mean losses and each masked sum's survivors and bound."""
@@ -120,7 +121,7 @@ def run_secure_round(method: Method, parts: SecureParticipants, ckpt: dict, r: i
     kept, unavailable = parts.train_and_keep(r, starts, payloads)
     _enough("the round's masked sums", r, kept, least, unavailable)
     returned = sorted(kept)
-    expected = layout(method.secure_terms(starts[returned[0]], starts[returned[0]], model.lora_scaling))
+    expected = layout(method.objective.secure_terms(starts[returned[0]], starts[returned[0]], model.lora_scaling))
     shapes = kept[returned[0]].layout
     for n in returned:  # every site must mask the same arrays in the same order (Flower sums by position)
         if kept[n].layout != shapes or [x for x in shapes if not x[0].startswith(LOSS)] != expected:
@@ -128,7 +129,7 @@ def run_secure_round(method: Method, parts: SecureParticipants, ckpt: dict, r: i
                                                  f"{expected} (or from the other sites')"))
     secure: dict[str, Any] = {}
     if decl.weights == "statistics":
-        stat_shapes = layout(method.secure_statistic(starts[returned[0]], starts[returned[0]], model.lora_scaling))
+        stat_shapes = layout(method.objective.secure_statistic(starts[returned[0]], starts[returned[0]], model.lora_scaling))
         total, summed, lost = parts.masked_sum(r, "statistic", dict.fromkeys(returned, 1.0), stat_shapes)
         unavailable.update({n: f"statistics sum: {why}" for n, why in lost.items()})
         _enough("the statistics sum", r, summed, least, unavailable)
@@ -203,7 +204,7 @@ class SecureInProcess:
         return self.inner.names
 
     @property
-    def method(self) -> Method:
+    def method(self) -> Strategy:
         return self.inner.method
 
     def state(self):
@@ -230,7 +231,7 @@ class SecureInProcess:
             terms = client_terms(self.method, res.state, starts[n], scaling, res.losses)
             self.kept["terms"][n] = terms
             if stats:
-                self.kept["statistic"][n] = self.method.secure_statistic(res.state, starts[n], scaling)
+                self.kept["statistic"][n] = self.method.objective.secure_statistic(res.state, starts[n], scaling)
             out[n] = Kept(res.n_samples, res.steps, layout(terms))
         return out, lost
 
@@ -259,6 +260,6 @@ class SecureInProcess:
         after, lost, metrics = self.inner.post(r, members, uploaders)
         shapes = {}
         for n, upload in after.items():
-            self.kept["post"][n] = self._site(n, r, lambda u=upload: self.method.secure_post_terms(u))
+            self.kept["post"][n] = self._site(n, r, lambda u=upload: self.method.objective.secure_post_terms(u))
             shapes[n] = layout(self.kept["post"][n])
         return shapes, lost, metrics
