@@ -55,6 +55,24 @@ def test_every_registered_method_declares_secure_aggregation_in_its_own_class():
             assert decl.refusal and "declares nothing" not in decl.refusal, name
 
 
+def test_server_hooks_live_on_the_strategy_and_site_hooks_on_the_objective():
+    """What the server makes of the sums is the strategy's; what a site masks is its objective's: no
+    method puts a server hook on its client half or a site hook on its server half."""
+    from fedhisto.methods import build_method, method_names
+    from fedhisto.methods.objective import Objective
+    from fedhisto.methods.strategy import Strategy
+
+    server = ("secure_aggregation", "aggregate_sums", "secure_weights", "aggregate_post_sums")
+    site = ("secure_terms", "secure_statistic", "secure_post_terms")
+    assert all(hasattr(Strategy, h) and not hasattr(Objective, h) for h in server)
+    assert all(hasattr(Objective, h) and not hasattr(Strategy, h) for h in site)
+    cfg = load_config({})
+    for name in method_names():
+        m = build_method(name, cfg)
+        assert not [h for c in type(m).__mro__ for h in site if h in c.__dict__], name
+        assert not [h for c in type(m.objective).__mro__ for h in server if h in c.__dict__], name
+
+
 def test_a_method_registered_without_a_declaration_is_caught_and_refused_by_name():
     from fedhisto.methods import register, unregister
 
