@@ -286,14 +286,20 @@ def test_the_fast_path_refuses_secure_aggregation_by_name(prepared: dict, monkey
 # ------------------------------------------------------------------ stock processes
 def test_deployment_secure_aggregation_tls_auth_and_a_killed_supernode(prepared: dict, tmp_path: Path):
     """A SuperLink and five SuperNodes on localhost, TLS and SuperNode authentication, every process Flower's own
-    (``fedhisto site`` without --fastpath); one round each of fedavg_peft (delta-SVD: the product form, each
-    site masks its dense s B_k A_k) and past_v2 (statistics, products and prototypes), and with
-    FEDHISTO_SECURE_ALL=1 fedex_lora (factors and products), with ``--secure-aggregation``
-    (``secure-aggregation = true``). CI runs the first two to keep the Flower lane short (347 s on the
-    shared 2-core machine at load 10; fedex_lora adds about 2.5 min). In fedavg_peft's masked sum C5's SuperNode is
-    SIGKILLed once the collect stage is sent: SecAgg+ unmasks the four survivors' sum, which equals the
-    equations over them; C5 rejoins for the others. Each aggregate equals the equations on the sites' own
-    states within the bound, and the coordinator's audit shows no reply with a state, upload or loss."""
+    (``fedhisto site`` without --fastpath), with ``--secure-aggregation`` (``secure-aggregation = true``):
+    one round each of fedavg_peft and past_v2 in CI's Flower lane.
+
+    fedavg_peft is both the FedAvg-PEFT run and the product-form method this proof needs: its server step
+    is delta-SVD, which needs the weighted sum of the products s B_k A_k, so each site masks its dense
+    product per adapted module, not its factors. past_v2 adds a statistics sum (its adaptive weights), the
+    weighted sum of the products and a prototype sum. fedex_lora (factors and products, the fold) is an
+    extra, run only with FEDHISTO_SECURE_ALL=1 (about 2.5 min more; the in-process LocalGrid tests above
+    cover it in every Flower lane run). 347 s for the two CI runs on the shared 2-core machine at load 10.
+
+    In fedavg_peft's masked sum C5's SuperNode is SIGKILLed once the collect stage is sent: SecAgg+ unmasks
+    the four survivors' sum, which equals the equations over them; C5 rejoins for the others. Each aggregate
+    equals the equations on the sites' own states within the bound, and the coordinator's audit shows no
+    reply with a state, upload or loss."""
     import yaml
     from test_flower import HANG_S, _wait_for
 
