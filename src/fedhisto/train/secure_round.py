@@ -112,7 +112,7 @@ def run_secure_round(method: Strategy, parts: SecureParticipants, ckpt: dict, r:
     decl = method.secure_aggregation()
     if not decl.runs:
         raise ValueError(f"method {method.name!r} cannot run under secure aggregation: {decl.refusal}")
-    if not decl.exchanges:  # a reference with nothing to aggregate (local_only, pooled) runs as it does
+    if not decl.exchanges:  # a reference that aggregates nothing (each site alone, or one central site) runs as it does
         return run_round(method, parts.inner if hasattr(parts, "inner") else parts, ckpt, r, model)
     quantiser, least = quantiser_of(method.cfg), max(2, decl.min_sites)
     names, members = parts.names, ckpt["members"]
