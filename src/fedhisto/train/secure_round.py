@@ -46,7 +46,7 @@ from fedhisto.methods.base import GLOBAL, stream_rng
 from fedhisto.methods.secure_capability import SecureSums, SiteStatistics
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.loop import ClientFailure, State, TooManyUnavailable, run_round
+from fedhisto.train.loop import ClientFailure, State, TooManyUnavailable, model_device, run_round
 
 log = logging.getLogger(__name__)
 SECURE_ROUNDING_STREAM = 27  # the run's stream of stochastic-rounding draws (in process)
@@ -154,7 +154,10 @@ def run_secure_round(method: Strategy, parts: SecureParticipants, ckpt: dict, r:
     secure["terms"] = {"sites": survivors, "bound": bound}
     losses = {k.removeprefix(LOSS): LOSS_SCALE * float(v) / sum(got.values()) for k, v in sums.items()
               if k.startswith(LOSS)}
-    sums = {k: v for k, v in sums.items() if not k.startswith(LOSS)}
+    # the sums arrive on the host (the field arithmetic is NumPy's); the server step computes where the run
+    # does, so its members and server state stay on the run's device, as without secure aggregation
+    device = model_device(model)
+    sums = {k: v.to(device) for k, v in sums.items() if not k.startswith(LOSS)}
     new_members, server_state = method.aggregate_sums(
         SecureSums(r, sums, got, starts[survivors[0]], ckpt["server_state"], bound), model)
     members = {**members, **new_members}
@@ -170,7 +173,7 @@ def run_secure_round(method: Strategy, parts: SecureParticipants, ckpt: dict, r:
             unavailable.update({n: f"post-aggregation sum: {why}" for n, why in lost.items()})
             if len(summed) >= 2:
                 server_state = method.aggregate_post_sums(
-                    SecureSums(r, total, dict.fromkeys(summed, 1.0), members.get(GLOBAL, {}), server_state,
+                    SecureSums(r, {k: v.to(device) for k, v in total.items()}, dict.fromkeys(summed, 1.0), members.get(GLOBAL, {}), server_state,
                                mean_bound(quantiser, len(summed), len(summed))), server_state)
                 secure["post"] = {"sites": summed}
     ckpt.update(members=members, server_state=server_state)
