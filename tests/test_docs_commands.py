@@ -18,8 +18,8 @@ exact words a user would copy:
 A ```bash block whose first line is ``# not run by the tests: <why>`` is skipped, and only such a block;
 a prose command that cannot run here goes into such a block. A prose span with a placeholder the user
 fills in (``FILE``, ``...``, ``[--option]``, ``a|b``) is a synopsis: its command and options must exist.
-A ```yaml block is a config overlay: laid over ``config/config.yaml`` (or the file its first line names,
-``# over config/paper.yaml``) it must pass ``fedhisto check-config``; one whose first line is
+A ```yaml block is a config overlay: laid over ``config/config.yaml`` (or the file a ``# over
+config/paper.yaml`` line at its top names) it must pass ``fedhisto check-config``; one whose first line is
 ``# file: NAME`` is also the file ``NAME`` that commands of the guides name. ```text blocks hold output,
 never a command to copy.
 """
@@ -227,7 +227,8 @@ def _parse_python(words: list[str], where: str) -> None:
         assert (REPO / target).is_file(), f"{where}: no {target}"
     proc = subprocess.run([sys.executable, "-c", PARSE_ONLY, kind, target, *words[3 if kind == "-m" else 2:]],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "fedhisto-docs-test: parsed" in proc.stdout, \
+    done = "usage:" in proc.stdout if {"-h", "--help"} & set(words) else "fedhisto-docs-test: parsed" in proc.stdout
+    assert proc.returncode == 0 and done, \
         f"{where}: {shlex.join(words)}: {(proc.stdout + proc.stderr)[-2000:]}"
 
 
@@ -384,13 +385,13 @@ def test_each_config_block_of_the_guides_passes_check_config(path: Path, line: i
         assert len(first) > len(NOT_RUN) + 5, f"{path.name}:{line}: say why it is not checked"
         return
     assert isinstance(yaml.safe_load(body), dict), f"{path.name}:{line}: a config block is a mapping"
-    base = m.group(1) if (m := re.search(r"# over (\S+)", body.splitlines()[0] if body else "")) else \
-        "config/config.yaml"
+    head = "\n".join(body.splitlines()[:2])  # `# over FILE` on the first line, or after `# file: NAME`
+    base = m.group(1) if (m := re.search(r"^# over (\S+)", head, flags=re.M)) else "config/config.yaml"
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text(body)
     files = [str(REPO / base), str(overlay)]
-    if base == "config/paper.yaml":
-        files.insert(1, str(request.getfixturevalue("roots_overlay")))
+    if base == "config/paper.yaml":  # the study's data roots, made by the test, laid last
+        files.append(str(request.getfixturevalue("roots_overlay")))
     from fedhisto.cli import main
 
     err = io.StringIO()
@@ -479,7 +480,7 @@ def outside_generated(text: str) -> str:
 def test_no_dated_passage_outside_generated_blocks(path: Path):
     """A date, a clock time or a host belongs in a generated result block (which says which run and code
     made it) or in docs/changelog.md, never in a guide's own words."""
-    text = outside_generated(path.read_text())
+    text = re.sub(r"\]\([^)]*\)", "]()", outside_generated(path.read_text()))  # a link's target names a heading
     found = [(text[:m.start()].count("\n") + 1, m.group(0)) for m in DATED.finditer(text)]
     assert not found, f"{path.name}: dated passages at {found}"
 
@@ -489,3 +490,177 @@ def test_the_guides_are_short():
     words = {p.name: len(p.read_text().split()) for p in guides()}  # as `wc -w` counts them
     assert words["README.md"] <= 1200, words
     assert sum(words.values()) <= 24000, words
+
+
+# ------------------------------------------------------------------ code names: every module, file and name exists
+SRC = REPO / "src" / "fedhisto"
+
+
+@cache
+def _repo_files() -> tuple[str, ...]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.split()
+    return tuple(out)
+
+
+def _defines(module_file: Path, name: str) -> bool:
+    """Whether a module defines ``name`` at its top level (a def, a class, an assignment or an import)."""
+    import ast
+
+    for node in ast.parse(module_file.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name
+                                                                  for a in node.names):
+            return True
+    return False
+
+
+@cache
+def _schema() -> dict:
+    import json
+
+    return json.loads((REPO / "workflow/schemas/config.schema.json").read_text())
+
+
+def is_config_key(span: str) -> bool:
+    """Whether a dotted span is a key path of the config (``train.max_rounds``, ``model.encoder.local_dir``),
+    by the workflow's JSON schema; method and experiment blocks (``train.scaffold.local_lr``) included."""
+    schema = _schema()
+    node = schema
+    for part in span.split("."):
+        while "$ref" in node or "anyOf" in node or "allOf" in node:
+            if "$ref" in node:
+                node = schema["$defs"][node["$ref"].split("/")[-1]]
+            else:
+                options = [o for o in node.get("anyOf", node.get("allOf", [])) if "properties" in o or "$ref" in o]
+                if not options:
+                    return False
+                node = options[0]
+        if node.get("type") == "object" and "properties" not in node:
+            return True  # a block the schema leaves open (experiments: typed by each experiment's class)
+        props = node.get("properties", {})
+        if part not in props:
+            return False
+        node = props[part]
+    return True
+
+
+FILE_SUFFIXES = {"json", "csv", "yaml", "yml", "md", "html", "png", "pt", "safetensors", "txt", "log", "db", "crt",
+                 "pem", "key", "pub", "sock", "jpg", "jpeg", "tif", "tiff", "py", "smk", "toml", "sh", "rst"}
+
+
+def code_name_problem(span: str) -> str | None:
+    """Why a code span naming a file or a module of the project names nothing that exists, else None.
+
+    ``x/y.py`` must be a file (from the root, under ``src/fedhisto/`` or as the tail of a tracked path);
+    ``fedhisto.a.b.name`` must be a module and, after it, a name the module defines. A dotted span that
+    starts with one of the package's subpackages (``train.loop``, ``privacy.site.DPSite``) is checked the
+    same way once its second part is one of that subpackage's modules; otherwise it is a config key
+    (``train.max_rounds``) and not checked here."""
+    if re.search(r"[<>{}*\s]", span):
+        return None
+    if span.split("/")[0] in ("flwr", "torch", "peft", "transformers", "opacus", "timm", "snakemake"):
+        return None  # another project's file
+    if span.endswith(".py"):
+        found = ((REPO / span).is_file() or (SRC / span).is_file()
+                 or any(f.endswith("/" + span) for f in _repo_files()))
+        return None if found else f"no file {span}"
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", span) or span.rsplit(".", 1)[1] in FILE_SUFFIXES:
+        return None
+    parts = span.split(".")
+    strict = parts[0] == "fedhisto"
+    parts = parts[1:] if strict else parts
+    if not strict:
+        if is_config_key(span):
+            return None
+        second = SRC / parts[0] / parts[1]
+        module_like = (SRC / parts[0]).is_dir() and (second.is_dir() or second.with_suffix(".py").is_file()
+                                                     or parts[-1][:1].isupper())
+        if not module_like:
+            if parts[0] in _schema()["properties"]:
+                return f"no config key {span}"
+            return None  # `stats.family_links`: a key of a JSON file, not a module
+    here, k = SRC, 0
+    while k < len(parts) and (here / parts[k]).is_dir():
+        here, k = here / parts[k], k + 1
+    module = here / f"{parts[k]}.py" if k < len(parts) else here / "__init__.py"
+    if k < len(parts) and module.is_file():
+        k += 1
+    elif k < len(parts):
+        module = here / "__init__.py"
+    if k == len(parts):
+        return None if module.is_file() else f"no module {span}"
+    if not module.is_file():
+        return f"no module for {span}"
+    return None if _defines(module, parts[k]) else f"{module.relative_to(REPO)} defines no {parts[k]} ({span})"
+
+
+@pytest.mark.parametrize("path", guides(), ids=lambda p: p.name)
+def test_every_code_name_in_the_guides_exists(path: Path):
+    """A module, file or function the guides name is one the code has (names go stale when code moves)."""
+    text = prose(path)
+    problems = []
+    for m in re.finditer(r"(?<!`)`([^`\n]+?)`(?!`)", text):
+        for span in re.split(r"[\s,()]+", m.group(1)):
+            span = span.strip("'\":;").split("(")[0]
+            if span and (why := code_name_problem(span)):
+                problems.append(f"{path.name}:{text[:m.start()].count(chr(10)) + 1}: {why}")
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------ statements the code could contradict
+def test_the_configuration_guides_error_example_is_what_check_config_prints(tmp_path: Path):
+    """configuration.md shows check-config's refusal of one bad value: the example is the real message."""
+    text = (REPO / "docs/configuration.md").read_text()
+    shown = next(body.strip() for lang, _, body in fenced(REPO / "docs/configuration.md") if lang == "text"
+                 and "invalid configuration" in body)
+    key, value = re.search(r"key '([\w.]+)': '(\w+)'", shown).groups()
+    overlay: dict = {}
+    node = overlay
+    for part in key.split(".")[:-1]:
+        node = node.setdefault(part, {})
+    node[key.split(".")[-1]] = value
+    (tmp_path / "profile.yaml").write_text(yaml.safe_dump(overlay))
+    from fedhisto.cli import main
+
+    err = io.StringIO()
+    with _in_repo(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["check-config", "config/config.yaml", str(tmp_path / "profile.yaml")]) == 2
+    assert err.getvalue().strip().replace(str(tmp_path / "profile.yaml"), "profile.yaml") == shown
+    assert shown in text
+
+
+def test_the_privacy_guides_method_table_is_what_each_method_declares():
+    """privacy.md's table of which methods train under DP names every registered method, and says "yes",
+    "only with privacy.prototypes: noised" or "refused" as the method's own dp_refusal does."""
+    import copy
+
+    from fedhisto.config.study import load_config
+    from fedhisto.methods.dp_capability import method_refusal
+    from fedhisto.registries.method_registry import method_names
+
+    text = (REPO / "docs/privacy.md").read_text()
+    section = text.split("## Which methods can train under DP", 1)[1].split("\n## ", 1)[0]
+    verdict = {}
+    for row in re.findall(r"^\| (.+?) \| (.+?) \|", section, flags=re.M):
+        for name in re.split(r",\s*", row[0]):
+            verdict[name.strip()] = row[1]
+    raw = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    raw["train"].update(methods=["fedavg_peft"], ablations=[], engine="sequential")
+    base = load_config(raw)
+    for name in method_names():
+        assert name in verdict, f"privacy.md: no row for method {name}"
+        refused = {}
+        for protos in ("refuse", "noised"):
+            cfg = base.model_copy(update={"privacy": base.privacy.model_copy(update={"enabled": True,
+                                                                                    "prototypes": protos})})
+            refused[protos] = method_refusal(name, copy.deepcopy(cfg)) is not None
+        said = verdict[name]
+        expected = ("refused" if refused["noised"] else "only with `privacy.prototypes: noised`" if refused["refuse"]
+                    else "yes")
+        assert said.strip("*").startswith(expected), f"privacy.md says {name}: {said!r}; the code: {expected}"
