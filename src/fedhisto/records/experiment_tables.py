@@ -82,7 +82,8 @@ def probe(results: Path) -> str:
     """Stain sensitivity of each frozen encoder beside its dose-response gap."""
     rows = read_rows(results, "experiments/probe/probe.csv")
     body = [[r["encoder"], "paired stain" if r["measure"] == "paired_stain" else f"shift {_severity(r['severity'])}",
-             with_ci(r, "ratio"), with_ci(r, "ratio_same_class", 2), with_ci(r, "retrieval_top1"),
+             with_ci(r, "ratio"), with_ci(r, "ratio_same_class", 2) if r.get("ratio_same_class") else "-",
+             with_ci(r, "retrieval_top1"),
              f"{num(r['gap'], 3, True)} ({_severity(r['gap_severity'])})"] for r in rows]
     return md_table(["encoder", "measure", "ratio [95 % CI]", "same-class ratio", "retrieval top-1",
                      "v2 - FedAvg-PEFT"], body)

@@ -28,6 +28,7 @@ from pathlib import Path
 from fedhisto.infra.atomic import write_bytes, write_json, write_text
 from fedhisto.infra.provenance import SIDECAR_SUFFIX
 from fedhisto.records.code_digest import REPO_DIR, Tree, code_at, digest_of, stage_hashes
+from fedhisto.records.tables import EmptyTable
 from fedhisto.registries.record_registry import RECORDS, RecordEntry
 
 RECORDS_DIR = Path("benchmarks/records")
@@ -66,6 +67,12 @@ def stage_commits(results: Path) -> dict[str, set[str]]:
     return out
 
 
+def summary_of(path: Path) -> Path:
+    """Where a file without a sidecar has its provenance: a JSON report embeds it (``"provenance"``), and an
+    experiment's CSV tables share the block of the experiment's summary, ``<folder>/<folder name>.json``."""
+    return path if path.suffix == ".json" else path.parent / f"{path.parent.name}.json"
+
+
 def hosts(results: Path) -> list[str]:
     """``CPU model (SIMD level)`` of the machines the training runs record in their runtime block."""
     found = set()
@@ -82,11 +89,12 @@ def _stamp(entry: RecordEntry, results: Path, commits: dict[str, set[str]], host
     made, block_commits = [], set()
     for rel in entry.inputs:
         prov = _provenance_of(results / (rel + SIDECAR_SUFFIX))
-        if prov is None and rel.endswith(".json"):
-            prov = _provenance_of(results / rel)  # a JSON report embeds its block under "provenance"
+        if prov is None:
+            prov = _provenance_of(summary_of(results / rel))
         if not prov:
-            raise RecordError(f"{results / rel}: no provenance sidecar ({rel}{SIDECAR_SUFFIX}); it was not written "
-                              "by a pipeline stage")
+            raise RecordError(f"{results / rel}: no provenance sidecar ({rel}{SIDECAR_SUFFIX}) and no "
+                              f"{summary_of(results / rel).name} with a provenance block beside it; it was not "
+                              "written by a pipeline stage")
         made.append(prov.get("created_utc", ""))
         block_commits.add(prov.get("git_commit", "unknown"))
     stages: dict[str, dict[str, str]] = {}
@@ -124,6 +132,11 @@ def record(results: str | Path, run: str = "default", root: Path = REPO_DIR) -> 
                 if src.is_file():
                     (staging / src.relative_to(results)).parent.mkdir(parents=True, exist_ok=True)
                     write_bytes(staging / src.relative_to(results), src.read_bytes())
+            if not (results / (rel + SIDECAR_SUFFIX)).is_file():  # its provenance is its summary's block
+                summary = summary_of(results / rel)
+                block = _provenance_of(summary)
+                write_json(staging / (rel + ".provenance.json"),
+                           {"provenance_of": summary.relative_to(results).as_posix(), "provenance": block})
     # each commit's file hashes, so a stale block can name the files that changed since
     write_json(staging / STAMP_FILE, {"run": run, "blocks": stamps, "code": files})
     old = out.with_name(f".{run}.old")
@@ -185,7 +198,11 @@ def render_block(name: str, root: Path = REPO_DIR, today: Tree | None = None,
         head += (f"\n**Stale:** the code of stage{'s' if len(changed) > 1 else ''} {', '.join(changed)} has changed "
                  f"since these numbers were made ({named}); rerun the pipeline and `fedhisto records` to refresh "
                  "them.\n")
-    return head + "\n" + entry.renderer()(folder).strip() + "\n"
+    try:
+        body = entry.renderer()(folder).strip()
+    except EmptyTable as exc:  # nothing to tabulate is a statement, not an error
+        body = f"*Nothing to show: {exc}.*"
+    return head + "\n" + body + "\n"
 
 
 def stage_digest_line(stamp: dict) -> str:

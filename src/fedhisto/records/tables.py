@@ -12,12 +12,16 @@ import csv
 from pathlib import Path
 
 
+class EmptyTable(ValueError):
+    """A result file with a header and no rows (e.g. Table 7 of a run configured without ablations)."""
+
+
 def read_rows(results: Path, name: str) -> list[dict[str, str]]:
     path = Path(results) / name
     with path.open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise EmptyTable(f"`{name}` has no rows in this run")
     return rows
 
 
