@@ -51,6 +51,14 @@ rule all:
     default_target: True
 
 
+# The extra comparators (every train.methods entry beyond the study's five; docs/methods.md) and their
+# comparisons with v2, after `all` or with it (`snakemake --cores 2 all comparators`); metrics, tables and
+# figures then show their rows.
+rule comparators:
+    input:
+        comparator_targets(),
+
+
 # Controlled experiments after `all` (docs/experiments.md); targets only, outputs in results/experiments/.
 rule experiments:
     input:

@@ -93,7 +93,7 @@ def main() -> None:
             torch.cuda.synchronize()
         secs = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        views = 2 if m.paired_views else 1
+        views = 2 if m.objective.paired_views else 1
         pairs = cfg.train.local_epochs * sum(len(c) for c in clients.values()) * views / 2
         rows.append({"method": method, "engine": engine, "view_pipeline": pipeline, "encoder": args.encoder,
                      "depth": args.depth or encoder_entry(args.encoder).depth, "seconds_per_round": round(secs, 3),

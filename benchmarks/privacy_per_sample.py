@@ -60,6 +60,7 @@ def main() -> None:
     desc = torch.rand(1, 14, device=device)
     loss = PastUnitLoss(ce_weights=torch.ones(3, device=device), weight_js=0.25, weight_feat=0.10)
     params = [p for p in model.parameters() if p.requires_grad]
+    trained = {n: None for n, p in model.named_parameters() if p.requires_grad}  # fedavg_peft's declaration
 
     def batch_backward():
         model.zero_grad()
@@ -67,7 +68,7 @@ def main() -> None:
         sum(loss(logits[2 * i:2 * i + 2], z[2 * i:2 * i + 2], labels[i]) for i in range(args.images)).backward()
 
     def per_sample():
-        per_image_gradients(model, loss, views, labels, desc, chunk_size=args.chunk or None)
+        per_image_gradients(model, loss, views, labels, desc, trained=trained, chunk_size=args.chunk or None)
 
     def loop():
         for i in range(args.images):

@@ -5,17 +5,19 @@ Standalone: ``python scripts/bootstrap.py --config config/config.yaml --comparis
 
 import argparse
 
-from fedhisto.bootstrap.stage import comparison_files, run_bootstrap
-from fedhisto.entry import from_snakemake, study_config_file
+from fedhisto.entry import from_snakemake, log_of, study_config_file
 from fedhisto.infra.job_logging import setup_logging
+from fedhisto.infra.warm_server import call
 
 if "snakemake" in globals():
     smk = globals()["snakemake"]
     method_seeds, reference_seeds = smk.params.seeds
-    run_bootstrap(smk.wildcards.comparison, list(smk.input.method), list(smk.input.reference),
-                  (list(method_seeds), list(reference_seeds)), from_snakemake(smk).bootstrap, smk.output.json,
-                  smk.input.manifest)
+    call("fedhisto.bootstrap.stage:run_bootstrap", smk.wildcards.comparison, list(smk.input.method),
+         list(smk.input.reference), (list(method_seeds), list(reference_seeds)), from_snakemake(smk).bootstrap,
+         smk.output.json, smk.input.manifest, log_path=log_of(smk))
 elif __name__ == "__main__":
+    from fedhisto.bootstrap.stage import comparison_files, run_bootstrap
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="config/config.yaml")
     parser.add_argument("--comparison", required=True)

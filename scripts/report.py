@@ -5,7 +5,6 @@ Standalone: ``python scripts/report.py --config config/config.yaml`` after the m
 
 from pathlib import Path
 
-from fedhisto.caveats import method_caveats, run_caveats
 from fedhisto.entry import from_argv, from_snakemake, log_of
 from fedhisto.infra.warm_server import call
 
@@ -15,12 +14,14 @@ if "snakemake" in globals():
     external: dict[str, list[str]] = {}
     for (method, _seed), path in zip(smk.params.runs, smk.input.external, strict=True):
         external.setdefault(method, []).append(path)
-    call("fedhisto.report.stage:run_report", smk.input.metrics, list(smk.input.bootstrap), smk.input.communication,
-         external, Path(smk.output.t4).parent, Path(smk.output.ensemble).parent, Path(smk.input.composition).parent,
-         bootstrap=dict(smk.params.bootstrap), caveats=run_caveats(cfg), method_caveats=method_caveats(cfg),
-         log_path=log_of(smk))
+    # the caveats are read off the config in the warm child: method_caveats builds every method (torch), which
+    # cost the job process 4 s of CPU on the pipeline's last step
+    call("fedhisto.report.stage:run_report_of_config", cfg, smk.input.metrics, list(smk.input.bootstrap),
+         smk.input.communication, external, Path(smk.output.t4).parent, Path(smk.output.ensemble).parent,
+         Path(smk.input.composition).parent, bootstrap=dict(smk.params.bootstrap), log_path=log_of(smk))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
+    from fedhisto.caveats import method_caveats, run_caveats
     from fedhisto.report.stage import run_report
 
     runs = config.train_runs()

@@ -23,6 +23,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+# An OpenMP thread that waits for work spins by default (libgomp's active wait): with the suite's processes,
+# its Snakemake jobs (which take threads from `threads:`) and CI's other lanes on 2 cores, a 2-thread torch
+# process spun while its partner thread waited for a core. Eight bf16 rounds of tests/test_gpu_path.py at
+# torch.set_num_threads(2) took 206 s of CPU with the default wait and 16 s with the passive one (the same
+# as at one thread; load 15-20). The wait policy changes no result, only how idle threads wait. Inherited
+# by every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Every Flower process the tests start (up to eight sites, their SuperExecs, the SuperLink) runs on the
 # same cores as the training it waits for. The deployment's default polls (SuperNode 0.2 s, SuperExec
 # 0.1 s) are a latency lever for sites on their own machines; on one 2-core host their idle requests
@@ -30,6 +38,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # those polls, 111 s and 88 s at 1 s. Flower's own variable and ours, read by those processes only.
 os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "1.0")
 os.environ.setdefault("FEDHISTO_SUPERNODE_POLL_S", "1.0")
+
+
+# The markers of the proofs that run in lanes of their own (`pytest -m flower` and so on, .ci/run).
+LANE_MARKERS = ("slurm", "flower", "zoo", "study")
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """Under ``-m <lane marker>`` alone, skip the test files that never name the marker: importing all of
+    them (torch, transformers, every stage) cost each lane about 14 s of CPU to deselect all but a few
+    tests. A marker is only ever applied by name in the file (tests/test_test_harness.py checks that no
+    test adds one another way)."""
+    expr = (config.getoption("markexpr") or "").strip()
+    if (expr in LANE_MARKERS and collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+            and f"mark.{expr}" not in collection_path.read_text()):
+        return True
+    return None
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +70,25 @@ def _stage_logging_stays_in_its_test():
             root.removeHandler(handler)
             handler.close()
     sys.excepthook = hook
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_stay_in_their_test():
+    """A test that runs a stage or command in-process (``fedhisto classify`` defaults to --threads 2, a
+    stage's run_* takes ``threads``) calls ``torch.set_num_threads``, which outlives the test: every later
+    torch test of that process ran 2+ OpenMP threads spinning against the other worker's and the other CI
+    lanes' (tests/test_test_harness.py). Put back the count the process started with. torch is looked at
+    only once a test has imported it."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if before is None:  # imported by this test: the count torch started with, from the environment
+        before = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else None
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 def write_image(path: Path, seed: int = 0, size: int = 24, fmt: str | None = None, mode: str = "RGB") -> Path:

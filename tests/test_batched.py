@@ -69,10 +69,10 @@ def round_inputs(name: str, train: dict | None = None):
         after = {}
         for n in names:
             model.load_trainable_state(method.start_state(members, n))
-            after[n] = method.upload_after_aggregation(model, clients[n], descriptors[n], device)
+            after[n] = method.objective.upload_after_aggregation(model, clients[n], descriptors[n], device)
         server_state = method.aggregate_uploads(after, None)
-    uploads = {n: method.upload_before_training(model, method.start_state(members, n), clients[n],
-                                                named_rng("style_sample", 11, ROUND, k), device)
+    uploads = {n: method.objective.upload_before_training(model, method.start_state(members, n), clients[n],
+                                                          named_rng("style_sample", 11, ROUND, k), device)
                for k, n in enumerate(names)}
     payloads = method.configure_train(ROUND, server_state, uploads)
     jobs = [MemberJob(method.start_state(members, n), clients[n], descriptors[n], payloads[n], 11, ROUND, k)
@@ -86,10 +86,11 @@ def round_inputs(name: str, train: dict | None = None):
 def test_batched_round_ends_in_the_sequential_state(name: str, train: dict | None):
     cfg, method, model, device, jobs = round_inputs(name, train)
     # each method's own local optimiser: SCAFFOLD's plain SGD (its paper's), FedStain-paper's Adam, else AdamW
-    assert method.local_schedule(ROUND).optimizer == ("adam" if train else "sgd" if name == "scaffold" else "adamw")
-    sequential = [local_train(method, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
+    objective = method.objective
+    assert objective.local_schedule(ROUND).optimizer == ("adam" if train else "sgd" if name == "scaffold" else "adamw")
+    sequential = [local_train(objective, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
                               j.round_idx, j.client_idx, device) for j in jobs]
-    batched = batched_local_train(method, model, jobs, cfg, device)
+    batched = batched_local_train(objective, model, jobs, cfg, device)
     assert len(batched) == len(sequential)
     worst = 0.0
     for s, b, j in zip(sequential, batched, jobs, strict=True):
@@ -187,9 +188,9 @@ def test_device_view_pipeline_trains_a_round_like_the_host_pipeline(name: str):
     difference relative to the update itself: a view differing by ~0.1-0.4 % of the pixel range may
     bend an update by a few per cent, never redirect it."""
     cfg, method, model, device, jobs = round_inputs(name)
-    host = batched_local_train(method, model, jobs, cfg, device)
+    host = batched_local_train(method.objective, model, jobs, cfg, device)
     on_device = load_config({**CFG, "train": {**CFG["train"], "view_pipeline": "device"}})
-    dev = batched_local_train(build_method(name, on_device), model, jobs, on_device, device)
+    dev = batched_local_train(build_method(name, on_device).objective, model, jobs, on_device, device)
     for h, d, j in zip(host, dev, jobs, strict=True):
         update = sum(float((h.state[k] - j.start_state[k]).norm() ** 2) for k in h.state) ** 0.5
         gap = sum(float((h.state[k] - d.state[k]).norm() ** 2) for k in h.state) ** 0.5
@@ -205,4 +206,4 @@ def test_view_pipeline_default_leaves_identity_and_fedstain_refuses_device_views
     assert training_settings(on_device, "past_v2")["view_pipeline"] == "device"
     _, _, model, device, jobs = round_inputs("fedstain")
     with pytest.raises(ValueError, match=r"train\.view_pipeline"):
-        batched_local_train(build_method("fedstain", on_device), model, jobs, on_device, device)
+        batched_local_train(build_method("fedstain", on_device).objective, model, jobs, on_device, device)

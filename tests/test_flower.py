@@ -34,13 +34,14 @@ def federable_methods() -> list[str]:
     """Every registered method with one global model that a federation can run (from the registry)."""
     from fedhisto.config.study import load_config
     from fedhisto.methods import build_method, method_names
-    from fedhisto.methods.base import GLOBAL, Method
+    from fedhisto.methods.base import GLOBAL
+    from fedhisto.methods.strategy import Strategy
 
     cfg = load_config({})
     out = []
     for name in method_names():
         m = build_method(name, cfg)
-        if type(m).participants is Method.participants and m.members(["C1", "C2"]) == [GLOBAL]:
+        if type(m).participants is Strategy.participants and m.members(["C1", "C2"]) == [GLOBAL]:
             out.append(name)
     return out
 

@@ -56,8 +56,8 @@ def _norm(state: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> flo
 def _round(name: str, precision: str, engine: str):
     cfg, method, model, device, jobs = round_inputs(name, {"precision": precision})
     if engine == "batched":
-        return jobs, batched_local_train(method, model, jobs, cfg, device)
-    return jobs, [local_train(method, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
+        return jobs, batched_local_train(method.objective, model, jobs, cfg, device)
+    return jobs, [local_train(method.objective, model, j.start_state, j.data, j.descriptor, j.payload, cfg, j.seed,
                               j.round_idx, j.client_idx, device) for j in jobs]
 
 
@@ -73,7 +73,8 @@ def test_a_bf16_round_stays_finite_and_close_to_float32(name: str, engine: str):
         assert all(np.isfinite(v) for v in b.losses.values()), (name, b.losses)
         update, gap = _norm(f.state, j.start_state), _norm(f.state, b.state)
         assert update > 0
-        floor = BF16_FLOOR_SGD if build_method(name, load_config({})).local_schedule(0).optimizer == "sgd" else BF16_FLOOR
+        floor = (BF16_FLOOR_SGD if build_method(name, load_config({})).objective.local_schedule(0).optimizer == "sgd"
+                 else BF16_FLOOR)
         assert floor * update < gap < BF16_BOUND * update, (name, gap / update)
         assert b.losses.keys() == f.losses.keys()
         for k in f.losses:
@@ -132,7 +133,8 @@ def test_compiled_batched_step_and_round_equal_the_eager_ones(one_compile_thread
     cfg, method, model, jobs = _one_block_round(True)
     device = torch.device("cpu")
     params = stack_states([j.start_state for j in jobs], device)
-    plan = method.local_schedule(1)
+    objective = method.objective
+    plan = objective.local_schedule(1)
     runs = [local_run(model, j, cfg, plan, device, {}) for j in jobs]
     rng = np.random.default_rng(0)
     micro = plan.micro_batch
@@ -145,11 +147,11 @@ def test_compiled_batched_step_and_round_equal_the_eager_ones(one_compile_thread
     def step(embed):
         for p in params.values():
             p.grad = None
-        logits, zs = stacked_forward(model, method, params, layout, pixels, descriptors, embed=embed)
+        logits, zs = stacked_forward(model, objective, params, layout, pixels, descriptors, embed=embed)
         total = 0
         for m in range(2):
             rows = [slice((k * 2 + m) * micro, (k * 2 + m + 1) * micro) for k in range(2)]
-            terms = method.terms_from_outputs(runs[m], batch, [logits[r] for r in rows], [zs[r] for r in rows])
+            terms = objective.terms_from_outputs(runs[m], batch, [logits[r] for r in rows], [zs[r] for r in rows])
             total = total + sum(terms.values())
         total.backward()
         return float(total.detach()), {n: p.grad.clone() for n, p in params.items()}
@@ -168,9 +170,9 @@ def test_compiled_batched_step_and_round_equal_the_eager_ones(one_compile_thread
         torch.testing.assert_close(compiled_grads[n], eager_grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
     # the engine under train.compile: a round of the same two members ends where the eager one does
-    compiled_round = batched_local_train(method, model, jobs, cfg, device)
+    compiled_round = batched_local_train(method.objective, model, jobs, cfg, device)
     eager_cfg, eager_method, _, _ = _one_block_round(False)
-    eager_round = batched_local_train(eager_method, model, jobs, eager_cfg, device)
+    eager_round = batched_local_train(eager_method.objective, model, jobs, eager_cfg, device)
     for c, e, j in zip(compiled_round, eager_round, jobs, strict=True):
         assert _norm(e.state, j.start_state) > 0
         assert max(float((c.state[k] - e.state[k]).abs().max()) for k in e.state) < 1e-4

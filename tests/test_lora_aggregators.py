@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhisto.fedmath.lora_aggregators import AGGREGATORS, aggregate_states, aggregator
+from fedhisto.fedmath.lora_aggregators import AGGREGATORS, aggregate_states, aggregator, check_frozen
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
 
 S, R, D = 2.0, 2, 4
@@ -111,8 +111,11 @@ def test_ffa_lora_is_exact_and_refuses_a_trained_a():
     got = aggregator("ffa_lora").pair(shared, W, S, R)
     assert torch.equal(got.a, a0)
     assert torch.allclose(S * got.b @ got.a, mean_update(shared), atol=1e-12, rtol=0)
-    with pytest.raises(ValueError, match="client 1's A differs from the shared A_0"):
-        aggregator("ffa_lora").pair(f, W, S, R)
+    key = "m.lora_A.default.weight"
+    starts = {f"C{k}": {key: a0} for k in range(len(f))}
+    check_frozen(aggregator("ffa_lora"), {n: {key: a0.clone()} for n in starts}, starts)
+    with pytest.raises(ValueError, match=r"ffa_lora: client C1's m\.lora_A\.default\.weight differs from the broadcast A_0"):
+        check_frozen(aggregator("ffa_lora"), {n: {key: a} for n, (a, _) in zip(starts, f, strict=True)}, starts)
 
 
 def test_fedsa_lora_shares_the_mean_a():

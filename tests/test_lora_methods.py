@@ -92,7 +92,7 @@ def test_flexlora_trains_a_rank_one_site_at_rank_one(prepared: dict, tmp_path: P
 
     model = build_model(cfg, method, 11, None)
     data = load_partitions(prepared["manifest"], cfg.views.crop_size, splits=("optimisation",))["C1"]
-    result = local_train(method, model, start, data, None, {}, cfg, 11, 2, 0, torch.device("cpu"))
+    result = local_train(method.objective, model, start, data, None, {}, cfg, 11, 2, 0, torch.device("cpu"))
     for k, v in result.state.items():
         if ".lora_A." in k:
             assert v[1:].abs().max() == 0 and not torch.equal(v[:1], start[k][:1]), k
@@ -160,3 +160,31 @@ def test_tables_say_how_a_method_with_one_model_per_site_is_scored(tmp_path: Pat
     assert len(notes) == 2  # the single-model method gets none
     assert notes[0].startswith("fedsa_lora: 2 models per run, one per site (C1, C2)")
     assert notes[0].endswith("that site's own model only") and notes[1].endswith("every site's model")
+
+
+@pytest.mark.parametrize("name", ["ffa_lora", "past_v2"])
+def test_ffa_lora_checks_every_returned_a_against_the_broadcast_a0(name: str):
+    """A change of A made identically at every site (so every returned A agrees with client 0's) is still a
+    trained A: the server compares each returned A with the A_0 it broadcast (the round's start)."""
+    from types import SimpleNamespace
+
+    from fedhisto.methods.base import RoundUpdate
+
+    cfg = load_config({"model": {"lora_r": 2}, "train": {"past": {"lora_aggregator": "ffa_lora"}}})
+    method = build_method(name, cfg)
+    g = torch.Generator().manual_seed(3)
+    key = "encoder.layer.0.attention.query"
+    a0, b0 = torch.randn(2, 4, generator=g), torch.zeros(3, 2)
+    start = {f"{key}.lora_A.default.weight": a0, f"{key}.lora_B.default.weight": b0, "head": torch.zeros(2)}
+    moved = a0 + 0.1  # the same change at both sites
+    states = {n: {**start, f"{key}.lora_A.default.weight": moved, f"{key}.lora_B.default.weight": torch.randn(
+        3, 2, generator=g)} for n in ("C1", "C2")}
+    update = RoundUpdate(0, states, dict.fromkeys(states, start), {"C1": 5, "C2": 5}, {"C1": 1, "C2": 1},
+                         {"C1": 0.5, "C2": 0.5}, None)
+    model = SimpleNamespace(lora_scaling=1.0, named_parameters=lambda: iter(()))
+    with pytest.raises(ValueError, match=r"ffa_lora: client C1's .*lora_A.* differs from the broadcast A_0"):
+        method.aggregate_train(update, model)
+    same = {n: {**s, f"{key}.lora_A.default.weight": a0.clone()} for n, s in states.items()}
+    merged, _ = method.aggregate_train(RoundUpdate(0, same, update.starts, update.counts, update.steps,
+                                                   update.weights, None), model)
+    assert torch.equal(merged[GLOBAL][f"{key}.lora_A.default.weight"], a0)

@@ -14,9 +14,9 @@ from fedhisto.manifest.stage import (
     build_manifest,
     composition,
     dataset_identity,
-    holdout_count,
     sample_id,
 )
+from fedhisto.manifest.targets import holdout_count
 from fedhisto.realdata.sources import SourceRow, write_sources_csv
 from fedhisto.synth.embedded_cohort import plan_cohort
 

@@ -1,4 +1,4 @@
-"""Methods as registered strategies: registry, a method defined here running through the real engine,
+"""Methods as a registered strategy and objective: registry, a method defined here running through the real engine,
 one round of every registered method, and the engine rules every method shares (CE normalisation,
 run identity, prototype reliability)."""
 
@@ -17,17 +17,25 @@ from conftest import TINY, train
 from fedhisto.config.study import ConfigError, load_config
 from fedhisto.fedmath.prototypes import ClientPrototypes, aggregate_prototypes
 from fedhisto.methods import build_method, method_names, register, registration, unregister, wildcard_pattern
-from fedhisto.methods.base import Method, balanced_cross_entropy
+from fedhisto.methods.base import balanced_cross_entropy
+from fedhisto.methods.objective import Objective
+from fedhisto.methods.strategy import Strategy
 
 ONE_ROUND = {**TINY, "train": {**TINY["train"], "max_rounds": 1, "local_epochs": 1}}
 
 
-class HeadNormPenalty(Method):
-    """A method that exists only in this test: FedAvg-PEFT plus an L2 penalty on the classifier weights,
-    and equal client weights instead of sample mass."""
+class HeadNormObjective(Objective):
+    """Its client half: FedAvg-PEFT's objective plus an L2 penalty on the classifier weights."""
 
     def extra_terms(self, run, batch, logits, zs):
         return {"head_l2": 1e-3 * run.params["classifier.weight"].pow(2).sum()}
+
+
+class HeadNormPenalty(Strategy):
+    """A method that exists only in this test (one strategy naming its objective, one registration): equal
+    client weights instead of sample mass, and ``HeadNormObjective`` at the clients."""
+
+    objective_class = HeadNormObjective
 
     def client_weights(self, counts, updates):
         return [1.0 / len(counts)] * len(counts)
@@ -187,10 +195,11 @@ def test_fedstain_paper_protocol_switches_optimiser_epochs_batch_and_lr_schedule
     from fedhisto.methods.base import LocalSchedule
 
     study = build_method("fedstain", load_config({}))
-    assert study.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1, 5.0)  # the study's, as every method
+    assert study.objective.local_schedule(3) == LocalSchedule("adamw", 1e-4, 1e-4, 2, 8, 1, 5.0)  # the study's
     paper = build_method("fedstain", load_config({"train": {"max_rounds": 5, "fedstain": {"protocol": "paper"}}}))
-    assert paper.local_schedule(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1, 5.0)
-    assert paper.local_schedule(4).lr == pytest.approx(2.5e-6) and paper.local_schedule(2).lr == pytest.approx(5.125e-5)
+    plan = paper.objective.local_schedule
+    assert plan(0) == LocalSchedule("adam", 1e-4, 0.0, 3, 32, 1, 5.0)
+    assert plan(4).lr == pytest.approx(2.5e-6) and plan(2).lr == pytest.approx(5.125e-5)
     cfg = load_config({**ONE_ROUND, "train": {**ONE_ROUND["train"],
                                               "fedstain": {"protocol": "paper", "paper_local_epochs": 1}}})
     train(prepared, "fedstain", tmp_path / "paper", cfg=cfg)
@@ -215,3 +224,42 @@ def test_comparators_under_the_studys_adamw_are_marked_and_under_their_own_optim
     paper = load_config({"train": {"methods": ["fedavg_peft", "past_v2", "fedstain"],
                                    "fedstain": {"protocol": "paper"}}})
     assert method_caveats(paper) == {}
+
+
+@pytest.mark.parametrize("method", ["scaffold", "fedstain", "fedavg_peft"])
+def test_the_report_names_the_local_optimiser_learning_rate_and_schedule_the_run_trained_with(prepared, tmp_path,
+                                                                                              method):
+    """SCAFFOLD trains with plain SGD at train.scaffold.local_lr (0.1), FedStain's paper protocol with Adam and a
+    learning rate decayed linearly from 1e-4 to 2.5e-6 over the rounds, FedAvg-PEFT with the study's AdamW at
+    train.lr: report.json says so, round by round, without reading the method's file."""
+    raw = {**TINY, "train": {**TINY["train"], "max_rounds": 3, "local_epochs": 1, "patience": 10,
+                             "fedstain": {"protocol": "paper", "paper_local_epochs": 1}}}
+    cfg = load_config(raw)
+    train(prepared, method, tmp_path / method, cfg=cfg)
+    got = json.loads((tmp_path / method / "report.json").read_text())["local_schedule"]
+    t = cfg.train
+    expected = {"scaffold": ("sgd", [0.1, 0.1, 0.1], 0.0, None, 1),
+                "fedstain": ("adam", [1e-4, (1e-4 + 2.5e-6) / 2, 2.5e-6], 0.0, t.grad_clip, 1),
+                "fedavg_peft": ("adamw", [t.lr] * 3, t.weight_decay, t.grad_clip, t.local_epochs)}[method]
+    assert (got["optimizer"], got["weight_decay"], got["grad_clip"], got["epochs"]) == (
+        expected[0], expected[2], expected[3], expected[4])
+    assert got["lr"] == pytest.approx(expected[1][0], rel=1e-12)
+    assert got["lr_by_round"] == pytest.approx(expected[1], rel=1e-12)
+
+
+def test_one_registration_builds_both_halves_and_refuses_an_option_neither_takes():
+    """The strategy and the objective it names are built from the same registration; each option goes to the
+    half whose constructor names it (PAST's switches split between them), and an unknown one is refused."""
+    cfg = load_config({})
+    v2 = build_method("past_v2", cfg)
+    assert isinstance(v2, Strategy) and isinstance(v2.objective, Objective)
+    assert (v2.film, v2.aggregation, v2.prototypes) == (True, "adaptive", "v2")
+    assert (v2.objective.paired_views, v2.objective.js, v2.objective.prototypes) == (True, True, "v2")
+    assert build_method("scaffold_adamw", cfg).objective.local_optimizer == "adamw"
+    register("head_norm_typo", HeadNormPenalty, flim=True)
+    try:
+        with pytest.raises(TypeError, match=r"method 'head_norm_typo': unexpected options \['flim'\] \(neither "
+                                            r"HeadNormPenalty nor HeadNormObjective takes them\)"):
+            build_method("head_norm_typo", cfg)
+    finally:
+        unregister("head_norm_typo")

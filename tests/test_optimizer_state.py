@@ -86,7 +86,7 @@ def test_default_is_per_round_and_leaves_every_identity_as_it_was():
 def hand_rolled_two_rounds(method, model, cfg, data, desc, s0, s1):
     """Two rounds of the engine's plan with ONE torch AdamW that is never re-created: between the rounds
     the parameters are overwritten by the new start state, the optimiser is left alone."""
-    plan = method.local_schedule(0)
+    plan = method.objective.local_schedule(0)
     model.load_trainable_state(s0)
     model.train()
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -97,12 +97,12 @@ def hand_rolled_two_rounds(method, model, cfg, data, desc, s0, s1):
         seed_round(job)
         model.load_trainable_state(start)  # in place: the optimiser still holds these parameters
         run = local_run(model, job, cfg, plan, DEVICE, params)
-        with method.local_session(run):
+        with method.objective.local_session(run):
             for epoch in range(plan.epochs):
                 opt.zero_grad(set_to_none=True)
                 batches = epoch_batches(job, epoch, plan.micro_batch)
                 for b, idx in enumerate(batches):
-                    terms = method.batch_terms(run, batch_of(job, plan, epoch, b, idx, DEVICE))
+                    terms = method.objective.batch_terms(run, batch_of(job, plan, epoch, b, idx, DEVICE))
                     (sum(terms.values()) / plan.accumulation).backward()
                     if steps_now(b, len(batches), plan.accumulation):
                         torch.nn.utils.clip_grad_norm_(params.values(), cfg.train.grad_clip)
@@ -121,8 +121,8 @@ def test_kept_continues_one_adamw_across_the_round_boundary_and_per_round_does_n
         cfg, method, model = setup(name, reading)
         s0, s1 = two_starts(model)
         desc = descriptors(method)["C1"]
-        first = local_train(method, model, s0, data, desc, payload(method, 0, "C1"), cfg, 11, 0, 0, DEVICE)
-        second = local_train(method, model, s1, data, desc, payload(method, 1, "C1"), cfg, 11, 1, 0, DEVICE,
+        first = local_train(method.objective, model, s0, data, desc, payload(method, 0, "C1"), cfg, 11, 0, 0, DEVICE)
+        second = local_train(method.objective, model, s1, data, desc, payload(method, 1, "C1"), cfg, 11, 1, 0, DEVICE,
                              optimizer_state=first.optimizer_state)
         runs[reading] = (first, second)
     (p_first, p_second), (k_first, k_second) = runs["per_round"], runs["kept"]
@@ -154,15 +154,15 @@ def test_batched_engine_keeps_the_state_the_sequential_engine_keeps(name: str):
     desc = descriptors(method)
     seq_state, seq_end = {}, {}
     for k, n in enumerate(NAMES):
-        first = local_train(method, model, s0, CLIENTS[n], desc[n], payload(method, 0, n), cfg, 11, 0, k, DEVICE)
-        second = local_train(method, model, s1, CLIENTS[n], desc[n], payload(method, 1, n), cfg, 11, 1, k, DEVICE,
+        first = local_train(method.objective, model, s0, CLIENTS[n], desc[n], payload(method, 0, n), cfg, 11, 0, k, DEVICE)
+        second = local_train(method.objective, model, s1, CLIENTS[n], desc[n], payload(method, 1, n), cfg, 11, 1, k, DEVICE,
                              first.optimizer_state)
         seq_state[n], seq_end[n] = second.optimizer_state, second.state
     bat_state: dict = dict.fromkeys(NAMES)
     for r, start in enumerate((s0, s1)):
         jobs = [MemberJob(start, CLIENTS[n], desc[n], payload(method, r, n), 11, r, k, bat_state[n])
                 for k, n in enumerate(NAMES)]
-        out = batched_local_train(method, model, jobs, cfg, DEVICE)
+        out = batched_local_train(method.objective, model, jobs, cfg, DEVICE)
         bat_state = {n: res.optimizer_state for n, res in zip(NAMES, out, strict=True)}
         bat_end = {n: res.state for n, res in zip(NAMES, out, strict=True)}
     assert step_of(seq_state["C3"]) < step_of(seq_state["C1"])  # C3 steps fewer times: its own count
@@ -211,13 +211,13 @@ def test_stacked_adamw_loads_and_returns_each_members_torch_state():
 def test_passing_a_kept_state_under_per_round_is_refused():
     cfg, method, model = setup("fedavg_peft", "kept")
     s0, _ = two_starts(model)
-    first = local_train(method, model, s0, CLIENTS["C1"], None, {}, cfg, 11, 0, 0, DEVICE)
+    first = local_train(method.objective, model, s0, CLIENTS["C1"], None, {}, cfg, 11, 0, 0, DEVICE)
     per_round, method, model = setup("fedavg_peft", "per_round")
     with pytest.raises(ValueError, match="optimizer_state is per_round"):
-        local_train(method, model, s0, CLIENTS["C1"], None, {}, per_round, 11, 1, 0, DEVICE, first.optimizer_state)
+        local_train(method.objective, model, s0, CLIENTS["C1"], None, {}, per_round, 11, 1, 0, DEVICE, first.optimizer_state)
     job = MemberJob(s0, CLIENTS["C1"], None, {}, 11, 1, 0, first.optimizer_state)
     with pytest.raises(ValueError, match="optimizer_state is per_round"):
-        batched_local_train(method, model, [job], per_round, DEVICE)
+        batched_local_train(method.objective, model, [job], per_round, DEVICE)
 
 
 def drive(tmp_path, name: str, reading: str, engine: str, tag: str, rounds: int = 3, **hooks):
@@ -293,7 +293,7 @@ def test_dp_sgd_sites_keep_their_state_and_resume_it(tmp_path):
         model = FedHistoModel(random_encoder("tiny"), cfg.model, film=False)
         parts = InProcess(model=model, method=method, clients=CLIENTS, validation=split(6, 9),
                           descriptors=method.descriptors(None, NAMES), cfg=cfg, seed=11, device=DEVICE,
-                          private=PrivateSites.start(cfg, method, CLIENTS, None, 11))
+                          private=PrivateSites.start(cfg, method.objective, CLIENTS, None, 11))
         identity = {"method": "fedavg_peft", "seed": 11, "config_hash": reading, "dataset_identity": "t",
                     "descriptor_digest": "t", "encoder_digest": "t"}
         return run_rounds(method, parts, model, cfg, identity, tmp_path / f"{tag}.pt", **hooks)

@@ -35,8 +35,9 @@ def _steps(command: str) -> list[str]:
 
 def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: Path):
     run_cmd, test_cmd = readme_commands(repo)
-    assert "pip install torch==2.13.0" in run_cmd and "snakemake --cores" in run_cmd and " all" in run_cmd
-    assert "pip install torch==2.13.0" in test_cmd and "pytest" in test_cmd
+    assert "pip install -r envs/cpu.txt && pip install -e . &&" in run_cmd
+    assert "snakemake --cores" in run_cmd and " all" in run_cmd
+    assert "pip install -r envs/cpu-test.txt && pip install -e \".[test]\" &&" in test_cmd and "pytest" in test_cmd
     lanes = ci_lanes(repo)
     # the README's test command runs verbatim (the proofs run beside it, each in its own lane)
     assert ("test", test_cmd) in lanes
@@ -50,6 +51,22 @@ def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: 
         positions = [next((k for k, c in enumerate(ci_steps) if step in c), None) for step in steps]
         assert None not in positions, f"{marker}: a step of the README's proof is not in .ci/run: {steps} vs {ci_steps}"
         assert positions == sorted(positions), f"{marker}: .ci/run runs the README's steps out of order"
+
+
+def test_every_venv_ci_makes_is_installed_from_a_lock_first(repo: Path):
+    """CI installs what the README installs: each lane that makes a venv installs one of envs/'s locks into
+    it before anything else (the README's test command does so verbatim; a proof's own install steps then
+    find everything in place), and tests/test_envs.py compares each venv's pip freeze with its lock."""
+    locks = {}
+    for name, command in ci_lanes(repo):
+        made = re.search(r"python3 -m venv (\S+)", command)
+        if made:
+            pips = re.findall(r"(?:^| )(?:\S*/)?pip install (.*?)(?: && |$)", command)
+            assert pips and pips[0].startswith("-r envs/"), f"lane {name}: installs {pips[:1]} before a lock"
+            lock = pips[0].removeprefix("-r ").split()[0]
+            assert (repo / lock).is_file(), f"lane {name}: no {lock}"
+            locks[name] = lock
+    assert locks == {"test": "envs/cpu-test.txt", "flower": "envs/cpu-all.txt", "zoo": "envs/zoo.txt"}
 
 
 def test_readme_cluster_command_is_the_one_the_slurm_test_runs(repo: Path):
@@ -66,8 +83,10 @@ CONDA_PENDING: set[str] = set()
 def test_no_conda_route_is_declared_or_offered(repo: Path):
     """The workflow runs in the environment it is installed in: no rule declares a conda env (an env that
     installs the package from this checkout cannot work from the copy Snakemake makes of it, and conda
-    channels are out of CI's reach), and no guide offers `--sdm conda`."""
-    # the env file stays only while a rule file still names it (Snakemake records it for every finished job)
+    channels are out of CI's reach), and no guide offers `--sdm conda`. envs/conda.yaml is for a user's
+    own environment (tests/test_envs.py), never a rule's."""
+    # the rules' old env file stays only while a rule file still names it (Snakemake records it for every
+    # finished job)
     assert (repo / "envs/fedhisto.yaml").exists() == bool(CONDA_PENDING)
     for smk in [*(repo / "workflow").rglob("*.smk"), repo / "workflow/site/Snakefile", repo / "Snakefile"]:
         if smk.name not in CONDA_PENDING:

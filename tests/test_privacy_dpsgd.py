@@ -119,14 +119,16 @@ def test_logical_step_without_noise_or_clipping_is_the_plain_gradient():
 
     selected = np.array([0, 2, 3])  # families A (i0, i2), C (i3), D (i4, i5); B not sampled
     acc = NoisyGradientSum(clip_norm=1e9, noise_multiplier=0.0, expected_units=2.0)
-    got = logical_step(model, loss, units, selected, fetch, acc, torch.Generator(), micro_batch=3, dropout="off")
+    trained = {n: None for n, p in model.named_parameters() if p.requires_grad}
+    got = logical_step(model, loss, units, selected, fetch, acc, torch.Generator(), trained=trained, micro_batch=3,
+                       dropout="off")
     assert fetched == [[0, 2, 3], [4, 5]]  # whole families per micro-batch
     model.zero_grad()
     sum(loss(*model(views[i]), labels[i]) for i in (0, 2, 3, 4, 5)).backward()
     for n, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(got[n], p.grad / 2.0, rtol=1e-9, atol=1e-13)
-    set_gradients(model, got)
+    set_gradients(model, got, trained)
     assert all(torch.equal(p.grad, got[n]) for n, p in model.named_parameters() if p.requires_grad)
-    with pytest.raises(ValueError, match="does not fit the trainable state"):
-        set_gradients(model, {k: v for k, v in list(got.items())[1:]})
+    with pytest.raises(ValueError, match="does not fit the declared trained tensors"):
+        set_gradients(model, {k: v for k, v in list(got.items())[1:]}, trained)

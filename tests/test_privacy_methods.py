@@ -1,7 +1,8 @@
 """DP-SGD as each method's own declaration: every registered method trains one DP round on the tiny cohort
 with epsilon equal to an independent accountant's (DP-SGD and the prototype release at their own noise
 multipliers), or is refused by the reason its own file gives; the engine and fedhisto.privacy name no
-method; the clipped per-unit contribution is the sensitivity the accountant takes, given public counts."""
+method; the clipped per-unit contribution is the sensitivity the accountant takes, with the class-balanced
+weights held at their published values."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_every_registered_method_trains_a_dp_round_or_is_refused_by_its_own_decl
     raw["privacy"]["prototype_noise_multiplier"] = PROTO_SIGMA
     plain = study_config({**raw, "privacy": {"enabled": False}})
     why = build_method(name, plain.model_copy(update={"privacy": plain.privacy.model_copy(
-        update={"prototypes": "noised"})})).dp_refusal()
+        update={"prototypes": "noised"})})).objective.dp_refusal()
     if why is not None:  # the config refuses with the method's own words, before any training
         with pytest.raises(ConfigError, match=re.escape(f"method {name!r} cannot train under DP-SGD: {why}")):
             study_config(raw)
@@ -52,7 +53,7 @@ def test_every_registered_method_trains_a_dp_round_or_is_refused_by_its_own_decl
     pytest.importorskip("opacus.accountants.analysis.rdp")
     cfg = study_config(raw)
     summary = train(prepared, name, tmp_path / name, cfg=cfg)
-    uploads = bool(build_method(name, cfg).post_uploads)
+    uploads = bool(build_method(name, cfg).objective.post_uploads)
     expected = _expected_epsilon(uploads, rounds)
     eps = summary["privacy"]["epsilon"]
     assert sorted(eps) == (["pooled"] if name == "pooled" else ["C1", "C2", "C3", "C4", "C5"])
@@ -75,29 +76,34 @@ def test_a_term_without_data_joins_after_the_noise_as_the_method_declares():
     c, c_i = {"w": torch.tensor([0.3, -0.1])}, {"w": torch.tensor([0.1, 0.4])}
     run = SimpleNamespace(params=params, start_state=start, payload={"control": c, "client_control": c_i},
                           scratch={}, device=torch.device("cpu"), ce_weights=torch.ones(3), cfg=cfg)
-    scaffold = build_method("scaffold", cfg)
+    scaffold = build_method("scaffold", cfg).objective
     with scaffold.local_session(run):
         got = scaffold.private_objective(run).data_free_gradient(params)
     torch.testing.assert_close(got["w"], cfg.train.scaffold.correction_scale * torch.tensor([0.2, -0.5]))
     first_round = SimpleNamespace(**{**vars(run), "payload": {}, "scratch": {}})  # no variates yet: no term
     with scaffold.local_session(first_round):
         assert scaffold.private_objective(first_round).data_free_gradient(params) == {}
-    fedprox = build_method("fedprox_peft", cfg)
+    fedprox = build_method("fedprox_peft", cfg).objective
     got = fedprox.private_objective(run).data_free_gradient(params)
     torch.testing.assert_close(got["w"], cfg.train.past.fedprox_mu * torch.tensor([0.5, -2.5]))
-    assert build_method("fedavg_peft", cfg).private_objective(run).data_free_gradient(params) == {}
+    assert build_method("fedavg_peft", cfg).objective.private_objective(run).data_free_gradient(params) == {}
 
 
-def test_the_engine_and_privacy_name_no_method():
+def test_the_engine_and_privacy_name_no_method_and_privacy_reads_no_requires_grad():
+    """Neither the engine nor privacy/ names a method; privacy/ decides nothing from requires_grad: what is
+    differentiated, clipped and noised is the objective's declaration, passed in."""
     words = {"past", "scaffold", "fedadam", "fedprox", "fedstain", "fedavg"} | set(method_names())
     words |= {registration(n).method_class().__name__.lower() for n in method_names()}
+    words |= {registration(n).method_class().objective_class.__name__.lower() for n in method_names()}
+    words -= {"objective"}  # the base class every default-objective method names
     pattern = re.compile("|".join(sorted(map(re.escape, words), key=len, reverse=True)), re.IGNORECASE)
     hits = [f"{path.relative_to(REPO)}:{k}: {line.strip()}"
             for folder in ("src/fedhisto/privacy", "src/fedhisto/train") for path in sorted((REPO / folder).glob("*.py"))
             for k, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
-    assert not re.search(r"isinstance\([^)]*Method|_REFUSED|_PER_SAMPLE",
-                         (REPO / "src/fedhisto/methods/dp_capability.py").read_text())
+    assert [f"{p.name}:{k}" for p in sorted((REPO / "src/fedhisto/privacy").glob("*.py"))
+            for k, line in enumerate(p.read_text().splitlines(), 1) if "requires_grad" in line] == []
+    assert not (REPO / "src/fedhisto/methods/dp_capability.py").exists()  # the refusals are the objective's own
 
 
 class _Linear(torch.nn.Module):
@@ -117,7 +123,8 @@ def test_the_accounted_sensitivity_is_the_clip_norm_given_public_class_counts():
     """Given the class counts (public), removing one unit moves the clipped sum by that unit's clipped
     gradient: at most C, the sensitivity the ledger accounts (noise std = sigma C). Were the weights
     recomputed from the counts without the unit, every other unit's term would move too and the change
-    would exceed C: why docs/privacy.md states the guarantee given the counts."""
+    would exceed C: why docs/privacy.md states the guarantee with the weights held at their published values
+    (neighbours never have equal counts)."""
     from fedhisto.config.study import Config
     from fedhisto.fedmath.losses import class_balanced_weights
     from fedhisto.methods.dp_objective import ImageCE
@@ -127,6 +134,7 @@ def test_the_accounted_sensitivity_is_the_clip_norm_given_public_class_counts():
 
     t = Config().train
     model = _Linear()
+    every = {n: None for n, _ in model.named_parameters()}
     g = torch.Generator().manual_seed(4)
     labels = torch.tensor([0] * 12 + [1] * 3 + [2])  # one image of class 2: removing it drops the class
     views = torch.rand(len(labels), 1, 3, 4, 4, generator=g, dtype=torch.float64)
@@ -136,12 +144,12 @@ def test_the_accounted_sensitivity_is_the_clip_norm_given_public_class_counts():
         return class_balanced_weights(counts, t.cb_beta, t.cb_cap).double()
 
     def clipped_sum(keep, w, clip):
-        grads = per_image_gradients(model, ImageCE(w), views[keep], labels[keep], dropout="off")
+        grads = per_image_gradients(model, ImageCE(w), views[keep], labels[keep], trained=every, dropout="off")
         return torch.cat([v.reshape(-1) for v in clip_and_sum(grads, clip)[0].values()])
 
     everyone = torch.arange(len(labels))
     w_public = weights(everyone)
-    norms = per_image_gradients(model, ImageCE(w_public), views, labels, dropout="off")
+    norms = per_image_gradients(model, ImageCE(w_public), views, labels, trained=every, dropout="off")
     clip = float(torch.cat([v.reshape(len(labels), -1) for v in norms.values()], 1).norm(dim=1).max())
     full = clipped_sum(everyone, w_public, clip)  # C = the largest norm: no term is scaled, one is exactly C
     worst_public, worst_recomputed = 0.0, 0.0

@@ -47,6 +47,11 @@ def _batch(n: int = 3, dtype=torch.float64):
     return views, labels, torch.rand(1, 14, generator=g, dtype=dtype)
 
 
+def _all(model) -> dict[str, None]:
+    """The declaration of a method that trains every trainable tensor, unmasked."""
+    return {n: None for n, p in model.named_parameters() if p.requires_grad}
+
+
 def _single_backward(model, loss, views_i, y_i, desc) -> dict[str, torch.Tensor]:
     model.zero_grad()
     logits, z = model(views_i, desc)
@@ -57,7 +62,7 @@ def _single_backward(model, loss, views_i, y_i, desc) -> dict[str, torch.Tensor]
 def test_per_image_gradients_equal_single_image_backward_passes_float64():
     model, loss = _model(), _loss()
     views, labels, desc = _batch()
-    per_image = per_image_gradients(model, loss, views, labels, desc, dropout="off")
+    per_image = per_image_gradients(model, loss, views, labels, desc, trained=_all(model), dropout="off")
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert sorted(per_image) == sorted(names) and len(names) == 36  # 24 LoRA, adapter 6, FiLM 4, classifier 2
     for i in range(len(labels)):
@@ -70,11 +75,12 @@ def test_per_image_gradients_equal_single_image_backward_passes_float64():
 def test_per_image_gradients_float32_close_to_float64():
     model64, loss64 = _model(), _loss()
     views, labels, desc = _batch()
-    ref = per_image_gradients(model64, loss64, views, labels, desc, dropout="off")
+    ref = per_image_gradients(model64, loss64, views, labels, desc, trained=_all(model64), dropout="off")
     model32 = copy.deepcopy(model64).float()
     loss32 = dataclasses.replace(loss64, ce_weights=loss64.ce_weights.float(), centroids=loss64.centroids.float(),
                                  reliability=loss64.reliability.float())
-    got = per_image_gradients(model32, loss32, views.float(), labels, desc.float(), dropout="off")
+    got = per_image_gradients(model32, loss32, views.float(), labels, desc.float(), trained=_all(model32),
+                              dropout="off")
     rel = (flat_norms({n: got[n].double() - ref[n] for n in ref}) / flat_norms(ref)).max()
     assert rel < 1e-4  # float32 round-off through a 3-block ViT, relative to each image's gradient norm
 
@@ -113,7 +119,7 @@ def test_two_views_of_an_image_are_clipped_as_one_sample():
     contribute at most C: the contribution is the two-view gradient scaled to norm C."""
     model, loss = _model(), _loss()
     views, labels, desc = _batch()
-    per_image = per_image_gradients(model, loss, views, labels, desc, dropout="off")
+    per_image = per_image_gradients(model, loss, views, labels, desc, trained=_all(model), dropout="off")
     assert all(g.shape[0] == 3 for g in per_image.values())  # 3 images with 2 views each: 3 samples
     norms = flat_norms(per_image)
     clip = 0.5 * float(norms.min())  # binds for every image
@@ -125,7 +131,8 @@ def test_two_views_of_an_image_are_clipped_as_one_sample():
         for n in whole:
             torch.testing.assert_close(clipped[n], whole[n] * scale, rtol=1e-8, atol=1e-12)
         # clipping each view on its own would let the image contribute up to 2C
-        per_view = [per_image_gradients(model, loss, views[i:i + 1, v:v + 1], labels[i:i + 1], desc, dropout="off")
+        per_view = [per_image_gradients(model, loss, views[i:i + 1, v:v + 1], labels[i:i + 1], desc,
+                                        trained=_all(model), dropout="off")
                     for v in range(2)]
         separate = [clip_and_sum(g, clip)[0] for g in per_view]
         combined = {n: separate[0][n] + separate[1][n] for n in separate[0]}
@@ -135,8 +142,9 @@ def test_two_views_of_an_image_are_clipped_as_one_sample():
 def test_family_unit_gradient_is_the_sum_over_its_images():
     model, loss = _model(), _loss()
     views, labels, desc = _batch(3)
-    per_image = per_image_gradients(model, loss, views, labels, desc, dropout="off")
-    per_unit = per_unit_gradients(model, loss, views, labels, torch.tensor([1, 0, 1]), 2, desc, dropout="off",
+    per_image = per_image_gradients(model, loss, views, labels, desc, trained=_all(model), dropout="off")
+    per_unit = per_unit_gradients(model, loss, views, labels, torch.tensor([1, 0, 1]), 2, desc, trained=_all(model),
+                                  dropout="off",
                                   chunk_size=2)
     for n, g in per_image.items():
         torch.testing.assert_close(per_unit[n][1], g[0] + g[2], rtol=1e-10, atol=1e-12)
@@ -150,14 +158,14 @@ def test_dropout_per_sample_draws_independent_masks_and_off_is_deterministic():
     views, labels, desc = _batch(2)
     twins, twin_labels = views[[0, 0]], labels[[0, 0]]  # the same image twice
     torch.manual_seed(5)
-    a = per_image_gradients(model, loss, twins, twin_labels, desc, dropout="per_sample")
+    a = per_image_gradients(model, loss, twins, twin_labels, desc, trained=_all(model), dropout="per_sample")
     diff = flat_norms({n: g[0:1] - g[1:2] for n, g in a.items()})
     assert float(diff) > 1e-3 * float(flat_norms({n: g[0:1] for n, g in a.items()}))  # masks differ per image
     torch.manual_seed(5)
-    b = per_image_gradients(model, loss, twins, twin_labels, desc, dropout="per_sample")
+    b = per_image_gradients(model, loss, twins, twin_labels, desc, trained=_all(model), dropout="per_sample")
     for n in a:  # reproducible from the torch seed
         torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
-    off = per_image_gradients(model, loss, twins, twin_labels, desc, dropout="off")
+    off = per_image_gradients(model, loss, twins, twin_labels, desc, trained=_all(model), dropout="off")
     for n in off:
         torch.testing.assert_close(off[n][0], off[n][1], rtol=0, atol=0)
     assert all(m.training for m in model.modules())  # dropout switched back on after the 'off' pass
@@ -171,9 +179,9 @@ def test_bad_inputs_are_refused():
     model, loss = _model(), _loss()
     views, labels, desc = _batch(2)
     with pytest.raises(ValueError, match="images, views"):
-        per_image_gradients(model, loss, views[:, 0], labels, desc)
+        per_image_gradients(model, loss, views[:, 0], labels, desc, trained=_all(model))
     with pytest.raises(ValueError, match=r"privacy\.dropout"):
-        per_image_gradients(model, loss, views, labels, desc, dropout="sometimes")
+        per_image_gradients(model, loss, views, labels, desc, trained=_all(model), dropout="sometimes")
     model.bn = torch.nn.BatchNorm1d(3)
     with pytest.raises(ValueError, match="batch normalisation"):
-        per_image_gradients(model, loss, views, labels, desc)
+        per_image_gradients(model, loss, views, labels, desc, trained=_all(model))

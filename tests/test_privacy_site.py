@@ -34,8 +34,9 @@ def _setup():
 
 
 def _round(site: DPSite, model, fetch, loss, r: int) -> float:
+    trained = {n: None for n, p in model.named_parameters() if p.requires_grad}  # every trainable tensor
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)  # a fresh optimiser per round
-    return site.train_round(r, model, opt, loss, fetch)
+    return site.train_round(r, model, opt, loss, fetch, trained)
 
 
 def test_epsilon_per_round_is_the_independent_accountant_value_and_resume_is_exact():

@@ -1,5 +1,6 @@
-"""The privacy: config block, the refusals by name (fedhisto.methods.dp_capability, each method's own declaration),
-the noised prototype release and its own noise multiplier, and the sensitivity the clipping bounds."""
+"""The privacy: config block, the refusals by name (fedhisto.train.private.dp_refusals: the engine, what each method's
+client objective declares, the budget), the noised prototype release and its own noise multiplier, and the
+sensitivity the clipping bounds."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import pytest
 import torch
 
 from fedhisto.config.stage_blocks import stage_block
-from fedhisto.config.study import Config, ConfigError
+from fedhisto.config.study import Config, ConfigError, load_config
 from fedhisto.entry import study_config
 from fedhisto.fedmath.prototypes import client_prototypes
-from fedhisto.methods import dp_capability as support
-from fedhisto.methods import register, unregister
+from fedhisto.methods import build_method, register, unregister
 from fedhisto.privacy.accountant import SiteAccountant
 from fedhisto.privacy.releases import SENSITIVITY, noised_prototypes, prototype_release, unit_contributions
 
@@ -36,13 +36,6 @@ def test_privacy_off_leaves_every_train_identity_unchanged():
         study_config({"privacy": {"epsilon": 3.0}})
 
 
-def test_enabled_would_be_refused_if_the_engine_did_not_run_dp(monkeypatch):
-    assert support.ENGINE_RUNS_DP  # the sequential engine runs DP-SGD (train.private)
-    monkeypatch.setattr(support, "ENGINE_RUNS_DP", False)
-    with pytest.raises(ConfigError, match="DP-SGD is not yet wired into the local training loop"):
-        study_config(_cfg({"enabled": True}))
-
-
 def test_refusals_name_the_method_and_the_reason():
     cfg = study_config(_cfg({"enabled": True, "noise_multiplier": 1.2}))
     block = stage_block(cfg, "train", method="fedavg_peft", seed=11)
@@ -59,7 +52,7 @@ def test_refusals_name_the_method_and_the_reason():
     ok = study_config(_cfg({"enabled": True, "prototypes": "noised"}, methods=["fedavg_peft", "past_v2", "fedprox_peft"]))
     assert ok.privacy.prototypes == "noised"
     for name in ("local_only", "pooled", "film_zero", "v2_no_proto", "fedadam", "scaffold", "fedavg_peft_stain"):
-        assert support.method_refusal(name, cfg) is None, name
+        assert build_method(name, cfg).objective.dp_refusal() is None, name
     with pytest.raises(ConfigError, match=r"method 'scaffold' cannot train under DP-SGD: train.scaffold.variates: "
                                           r"start_gradient uploads each site's full-data gradient"):
         study_config(_cfg({"enabled": True}, methods=["scaffold"]) | {"train": {
@@ -74,22 +67,59 @@ def test_the_objective_refuses_a_reading_without_a_per_image_form_by_name():
     assert ok.train.readings.ce_views == "sum"
 
 
-def test_a_method_that_declares_nothing_or_cannot_be_imported_is_refused_by_name():
-    from fedhisto.methods.base import Method
+def test_whether_a_method_runs_under_dp_follows_from_what_its_objective_declares():
+    """A strategy that changes only the server keeps the default objective, which has its per-image form: it
+    trains under DP with no declaration. An objective that changes the batch loss without declaring its
+    per-image form beside it is refused by name; declaring it makes the same objective acceptable. An
+    objective that uploads before training is refused (nothing noises the upload), and a class that cannot
+    be imported is refused by name."""
+    import torch as _torch
 
-    class Undeclared(Method):
-        pass
+    from fedhisto.methods.dp_objective import PrivateObjective, image_ce
+    from fedhisto.methods.objective import Objective
+    from fedhisto.methods.strategy import Strategy
+    from fedhisto.train.private import dp_refusals
 
-    register("my_method", Undeclared)
+    class ServerOnly(Strategy):
+        def client_weights(self, counts, updates):
+            return [1.0 / len(counts)] * len(counts)
+
+    class Penalised(Objective):
+        def extra_terms(self, run, batch, logits, zs):
+            return {"l2": 1e-3 * run.params["classifier.weight"].pow(2).sum()}
+
+    class PenalisedDeclared(Penalised):
+        def private_objective(self, run):
+            return PrivateObjective(image_ce(run), lambda: 1e-3 * run.params["classifier.weight"].pow(2).sum())
+
+    class Uploads(Objective):
+        pre_uploads = True
+
+        def upload_before_training(self, model, start_state, data, rng, device):
+            return {"mean": _torch.zeros(1)}
+
+    strategies = {"my_server_only": ServerOnly}
+    for name, objective in (("my_penalised", Penalised), ("my_declared", PenalisedDeclared), ("my_uploads", Uploads)):
+        strategies[name] = type(f"{objective.__name__}Strategy", (Strategy,), {"objective_class": objective})
+    for name, cls in strategies.items():
+        register(name, cls)
     register("my_missing", "mypkg.methods:Mine")
     try:
         cfg = study_config(_cfg({"enabled": False}))
-        why = support.method_refusal("my_method", cfg)
-        assert why is not None and "Undeclared declares no objective of one image" in why
-        assert "cannot be imported" in support.method_refusal("my_missing", cfg)
+        assert build_method("my_server_only", cfg).objective.dp_refusal() is None
+        assert build_method("my_declared", cfg).objective.dp_refusal() is None
+        why = build_method("my_penalised", cfg).objective.dp_refusal()
+        assert why is not None and "Penalised changes the batch loss (extra_terms) but declares no objective of one image" in why
+        assert "uploads statistics of the site's data before training" in build_method("my_uploads", cfg).objective.dp_refusal()
+        # the wrapper's own list (the config door raises it): load_config alone does not refuse
+        lines = dp_refusals(load_config(_cfg({"enabled": True}, methods=["my_server_only", "my_penalised",
+                                                                           "my_missing"])))
+        assert [line.split(":")[0] for line in lines] == ["method 'my_penalised' cannot train under DP-SGD",
+                                                          "method 'my_missing' cannot train under DP-SGD"]
+        assert "cannot be imported" in lines[1]
     finally:
-        unregister("my_method")
-        unregister("my_missing")
+        for name in [*strategies, "my_missing"]:
+            unregister(name)
 
 
 def _embeddings(n: int = 30, dim: int = 16):
@@ -155,7 +185,7 @@ def test_past_unit_loss_reads_the_method_and_its_round_payload():
     from fedhisto.methods import build_method
 
     def past_unit_loss(method, payload, w):
-        return method.unit_loss(payload, w)
+        return method.objective.unit_loss(payload, w)
 
     cfg = Config()
     w = torch.tensor([1.0, 2.0, 0.5])

@@ -56,7 +56,7 @@ def test_weight_normalisation_readings():
     cfg = readings(ce_weight_normalisation="class_mean")
     data = SimpleNamespace(class_counts=lambda: COUNTS)
     job = MemberJob({}, data, None, {}, 11, 0, 0)
-    plan = build_method("fedavg_peft", cfg).local_schedule(0)
+    plan = build_method("fedavg_peft", cfg).objective.local_schedule(0)
     run = local_run(None, job, cfg, plan, torch.device("cpu"), {})
     assert torch.allclose(run.ce_weights, klass)
 
@@ -77,7 +77,7 @@ def test_reduction_reading_is_pytorchs_weighted_mean():
     assert not torch.allclose(ours, torch_mean)
     batch = Batch(np.arange(8), y, 0, 0, 0)
     for method in ("fedavg_peft", "past_v2"):
-        got = build_method(method, readings(ce_reduction="weighted_mean")).terms_from_outputs(
+        got = build_method(method, readings(ce_reduction="weighted_mean")).objective.terms_from_outputs(
             _run(readings(ce_reduction="weighted_mean"), w), batch, [logits, logits], [torch.randn(8, 4)] * 2)["ce"]
         assert torch.allclose(got, torch_mean)
 
@@ -91,8 +91,8 @@ def test_summed_view_ce_gives_twice_the_gradient_on_a_fixed_batch():
     for reading in ("mean", "sum"):
         cfg = readings(ce_views=reading)
         logits = [b.clone().requires_grad_(True) for b in base]
-        ce = build_method("past_v2", cfg).terms_from_outputs(_run(cfg, w), Batch(np.arange(4), y, 0, 0, 0), logits,
-                                                             [torch.randn(4, 4)] * 2)["ce"]
+        ce = build_method("past_v2", cfg).objective.terms_from_outputs(_run(cfg, w), Batch(np.arange(4), y, 0, 0, 0),
+                                                                       logits, [torch.randn(4, 4)] * 2)["ce"]
         ce.backward()
         grads[reading] = torch.cat([lg.grad.flatten() for lg in logits])
     assert torch.allclose(grads["sum"], 2 * grads["mean"])

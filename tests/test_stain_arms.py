@@ -33,7 +33,7 @@ def views_of(method: str, cfg, pipeline: str = "host") -> torch.Tensor:
     data = Split(IDS, [0, 1, 2], [tissue(k) for k in range(3)])
     run = SimpleNamespace(cfg=cfg, data=data, seed=11, device=torch.device("cpu"))
     batch = Batch(np.arange(3), torch.tensor([0, 1, 2]), epoch=0, view_epoch=4, number=0)
-    (x,) = build_method(method, cfg).batch_inputs(run, batch).views
+    (x,) = build_method(method, cfg).objective.batch_inputs(run, batch).views
     return x
 
 
@@ -93,7 +93,7 @@ def test_arms_are_registered_comparators_of_their_single_view_method():
 
 
 def test_stain_views_refuses_paired_views():
-    from fedhisto.methods.past import PastFamily
+    from fedhisto.methods.past import PastObjective
 
-    with pytest.raises(ValueError, match="stain_views"):
-        PastFamily("x", load_config({}), "past", paired_views=True, stain_views=True)
+    with pytest.raises(ValueError, match="stain_views"):  # the views are the client objective's
+        PastObjective("x", load_config({}), "past", paired_views=True, stain_views=True)

@@ -221,11 +221,16 @@ def test_the_default_profile_sizes_its_evaluation_sets_to_resolve_three_hundredt
     previous default's 0.886 internal, 0.839 external) one method's 95 % bootstrap half-width is <= 0.03,
     and at the old sizes it was about 0.10."""
     from fedhisto.config.study import load_config_file
+    from fedhisto.manifest.targets import holdout_count
     from fedhisto.stats.resampling import bootstrap_interval
 
     profile = PROFILES[load_config_file(repo / "config/config.yaml").cohort.synthetic.profile]
     small = PROFILES["small"]
-    assert profile.clients == small.clients and profile.validation == small.validation  # training unchanged in size
+    fractions = load_config_file(repo / "config/config.yaml").manifest.holdout_fraction
+    optimisation = {k: tuple(n - holdout_count(n, fractions[k]) for n in pool) for k, pool in small.clients.items()}
+    # training unchanged in size: each pool is small's optimisation set plus the site's own holdout
+    assert {k: tuple(n - h for n, h in zip(pool, profile.holdouts[k], strict=True))
+            for k, pool in profile.clients.items()} == optimisation and profile.validation == small.validation
     assert profile.external == (280, 151, 260) and sum(profile.test) >= 600
 
     def half_width(counts, accuracy):

@@ -242,3 +242,20 @@ def test_a_server_on_other_code_or_failing_sends_the_job_to_run_cold(tmp_path: P
         own, ran = json.loads(proc.stdout.splitlines()[-1])
         assert own == ran  # the job ran in its own process
     listener.close()
+
+
+def test_stop_server_reaps_the_server_it_started(tmp_path: Path, monkeypatch):
+    """The Snakefile's onsuccess stops the server and waits for it, so its CPU and its jobs' count in
+    Snakemake's children (`/usr/bin/time snakemake ...` sees the whole run), and no zombie is left."""
+    for name in (warm.ENV_SOCKET, warm.ENV_PID, warm.ENV_SWITCH):
+        monkeypatch.delenv(name, raising=False)
+    path = warm.start_server(tmp_path / "warm.log")
+    pid = int(os.environ[warm.ENV_PID])
+    deadline = time.monotonic() + 300  # a hang guard: the server imports torch and the stages first
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        assert running(pid), (tmp_path / "warm.log").read_text()
+        time.sleep(0.1)
+    warm.stop_server()
+    with pytest.raises(ChildProcessError):  # already reaped by stop_server
+        os.waitpid(pid, os.WNOHANG)
+    assert warm.ENV_SOCKET not in os.environ and not os.path.exists(path)

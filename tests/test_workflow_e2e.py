@@ -43,7 +43,21 @@ def workdir(tmp_path_factory, repo: Path, snakemake_bin: str) -> Path:
     console = (proc.stdout + proc.stderr).decode(errors="replace")
     assert proc.returncode == 0, console[-8000:]
     (wd / "first_all.out").write_bytes(console.encode())
+    # what `all` alone left: the study's methods, not the extra comparator local_only (tested below)
+    (wd / "after_all.json").write_text(json.dumps({
+        "trained": sorted(p.name for p in (wd / "results/train").iterdir()),
+        "table4": (wd / "results/tables/table4_internal.md").read_text()}))
+    proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(wd), "--cores", "2", "comparators"],
+                          capture_output=True, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr).decode(errors="replace")[-8000:]
     return wd
+
+
+def test_all_leaves_the_extra_comparators_to_their_target_and_the_tables_then_show_them(workdir: Path):
+    after_all = json.loads((workdir / "after_all.json").read_text())
+    assert after_all["trained"] == ["fedavg_peft", "past_v2"]
+    assert "past_v2" in after_all["table4"] and "local_only" not in after_all["table4"]
+    assert "local_only" in (workdir / "results/tables/table4_internal.md").read_text()  # after `comparators`
 
 
 def test_logs_have_one_line_per_step_and_no_progress_bar_fragments(workdir: Path):

@@ -1,8 +1,8 @@
 """Loud warnings for settings that make a run say less than its tables suggest.
 
 Two kinds. :func:`method_caveats`: a comparator that runs under a protocol its own paper does not
-assume (each method declares its paper's assumptions in its own file, ``Method.assumptions``, and says
-where a run departs, ``Method.protocol_departures``); the report prints each departure under its
+assume (each method declares its paper's assumptions in its own file, ``Strategy.assumptions``, and says
+where a run departs, ``Strategy.protocol_departures``); the report prints each departure under its
 tables and in the ``caveat`` column of every row of that method, and a paired comparison with a marked
 arm carries the line too, so it is not read as a finding about the method its name says.
 

@@ -19,6 +19,7 @@ rule bootstrap_comparison:
         # method's and reference's ensemble seeds: one matched list for both
         seeds=lambda wildcards: CFG.comparison_seeds(wildcards.comparison),
     threads: 1
+    priority: AFTER_TRAINING_PRIORITY
     resources:
         mem_mb=4000,
         runtime=20,

@@ -14,7 +14,7 @@ if CFG.cohort.mode == "synthetic":
             "logs/cohort/synthesize_cohort.log",
         params:
             block=stage_block(CFG, "cohort"),
-        threads: 2
+        threads: 2  # alone, then clearance beside pretraining (workflow/rules/common.smk, CRITICAL_PATH_PRIORITY)
         resources:
             mem_mb=4000,
             runtime=60,

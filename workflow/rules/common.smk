@@ -5,7 +5,7 @@ import os
 from snakemake.utils import validate
 
 from fedhisto.bootstrap.stage import comparison_files
-from fedhisto.config.study import command_line_config
+from fedhisto.config.study import STUDY_METHODS, command_line_config
 from fedhisto.entry import study_config
 from fedhisto.experiments.dose_response import entry_resources as dose_entry_resources
 from fedhisto.experiments.layout import all_outputs as experiment_outputs
@@ -35,13 +35,21 @@ else:
 validate(config, schema="../schemas/config.schema.json", set_default=False)
 CFG = study_config(config, source=CONFIG_SOURCE)
 
-# The embedded default's clearance (~500 images) takes one core, so that the tiny encoder's pretraining,
-# which needs no cohort, runs beside the cohort -> clearance -> manifest -> stain chain on a 2-core laptop.
+# Every training job waits for two chains: cohort -> clearance -> manifest -> stain, and the tiny encoder's
+# pretraining, which needs no cohort. CPU seconds on the embedded default (benchmarks/pipeline_timeline.py,
+# docs/changelog.md): cohort ~37, clearance ~72, pretraining ~16, manifest + stain ~3. The cohort takes both
+# cores, then clearance one and pretraining (then the accounting) the other. Clearance on two cores would
+# start training ~20 s sooner on an idle host, but its two verification workers each run OpenCV's own thread
+# pool: on a loaded host they spent several times the single process's CPU (1,016 s for a 41 s phase), so
+# the embedded default keeps it on one.
 CLEARANCE_THREADS = 1 if CFG.cohort.mode == "synthetic" else 2
-# Every training job waits for the cohort -> clearance -> manifest -> stain chain; without a priority the
-# scheduler started pretraining and the communication accounting first (1 thread each) and the 2-thread
-# cohort job waited for a core pair: 43 s to the first training job instead of about 25 s.
-CRITICAL_PATH_PRIORITY = 10
+# Priorities, highest first: the two chains above; then whatever follows training (predictions,
+# comparisons, metrics, tables), as soon as its inputs exist, so that it runs between training jobs instead
+# of after the last; then training, one method after the other (train_priority), so that methods finish,
+# and their predictions and comparisons run, while later methods train.
+CRITICAL_PATH_PRIORITY = 1000
+PRETRAIN_PRIORITY = CRITICAL_PATH_PRIORITY - 1  # beside clearance, after the 2-thread cohort (equal, it could go first)
+AFTER_TRAINING_PRIORITY = 500
 
 
 def limit_local_memory(wf):
@@ -70,7 +78,7 @@ HOST_MEM_MB = limit_local_memory(workflow)
 # The scripts that hand their stage to the warm server (fedhisto.infra.warm_server.call): the torch stages, and the
 # experiments' rules (scripts/experiments.py: all but two of them).
 WARM_SCRIPTS = {"train.py", "predict.py", "pretrain.py", "stain.py", "accounting.py", "metrics.py", "report.py",
-                "experiments.py"}
+                "bootstrap.py", "experiments.py"}
 
 
 def start_warm_server(wf):
@@ -116,6 +124,89 @@ def method_seeds(method):
     return CFG.trained_seeds(method)
 
 
+def train_order():
+    """Methods in the order they train: those in the most configured comparisons first (v2, on one side of
+    every comparison: each later method's comparisons can then run as soon as its seeds are done), then the
+    config's order; the study's methods and ablations before the extra comparators."""
+    methods = [*CFG.train.methods, *CFG.train.ablations]
+    comparisons = [CFG.bootstrap.comparisons[n] for n in comparisons_in_config()]
+    weight = {m: sum(m in (c.method, c.reference) for c in comparisons) for m in methods}
+    return sorted(methods, key=lambda m: (is_comparator(m), -weight[m], methods.index(m)))
+
+
+def _train_priority(wildcards):
+    """Below AFTER_TRAINING_PRIORITY; the earlier a method in train_order, the higher."""
+    order = train_order()
+    return len(order) - order.index(wildcards.method) if wildcards.method in order else 0
+
+
+def _callable_priorities():
+    import snakemake.rules
+
+    return hasattr(snakemake.rules.Rule, "expand_priority")
+
+
+# a Snakemake that takes no priority function (before 9.x's expand_priority) trains in its own order
+TRAIN_PRIORITY = _train_priority if _callable_priorities() else 1
+
+
+# `all` builds the study: its principal methods and ablations, the comparisons among them, Table 2 and
+# Tables 4-8. The extra comparators (every other entry of train.methods: FedStain, SCAFFOLD, FedAdam, the LoRA
+# aggregators, local_only, pooled, ...) are the target `comparators`: on the embedded default they are 39 of
+# 73 training runs, which put `all` on 2 cores well past the first command's budget. Metrics, tables and
+# figures show a comparator's rows whenever its runs are there: after `snakemake comparators` (which also
+# brings the tables up to date) and in every later `all`.
+def is_comparator(method):
+    return method in CFG.train.methods and method not in STUDY_METHODS
+
+
+def comparator_methods():
+    return [m for m in CFG.train.methods if is_comparator(m)]
+
+
+def comparators_requested():
+    """The run was asked for the `comparators` target (its runs then enter metrics and tables before they exist)."""
+    try:
+        return "comparators" in workflow.dag_settings.targets
+    except AttributeError:  # Snakemake's API moved: comparators enter the tables once trained
+        return False
+
+
+def comparator_trained(method):
+    return all(os.path.exists(f"results/train/{method}/seed{s}/status.json") for s in method_seeds(method))
+
+
+def reported_methods():
+    """Methods whose runs metrics, tables and figures show: the study's, and each comparator asked for or trained."""
+    requested = comparators_requested()
+    return {m for m, _ in train_runs() if not is_comparator(m) or requested or comparator_trained(m)}
+
+
+def reported_runs():
+    methods = reported_methods()
+    return [(m, s) for m, s in train_runs() if m in methods]
+
+
+def reported_comparisons():
+    methods = reported_methods()
+    comparisons = CFG.bootstrap.comparisons
+    return [n for n in comparisons_in_config() if {comparisons[n].method, comparisons[n].reference} <= methods]
+
+
+def study_comparisons():
+    comparisons = CFG.bootstrap.comparisons
+    return [n for n in comparisons_in_config()
+            if not (is_comparator(comparisons[n].method) or is_comparator(comparisons[n].reference))]
+
+
+def comparator_targets():
+    """The comparators' runs, their comparisons with the study's methods, and the tables that show them."""
+    runs = [(m, s) for m, s in train_runs() if is_comparator(m)]
+    return [f"results/train/{m}/seed{s}/status.json" for m, s in runs] + [
+        f"results/bootstrap/{n}.json" for n in comparisons_in_config() if n not in study_comparisons()] + [
+        "results/metrics/summary.csv", "results/tables/table4_internal.csv"]
+
+
 def seed_groups():
     """[(seeds, methods)]: the configured methods grouped by the seed list they train on, that of
     train.seeds first. One prediction rule per group, since a rule's outputs are fixed patterns."""
@@ -148,10 +239,11 @@ def comparisons_in_config():
 
 
 def all_targets():
-    return cohort_outputs() + [f"results/train/{m}/seed{s}/status.json" for m, s in train_runs()] + [
+    return cohort_outputs() + [f"results/train/{m}/seed{s}/status.json" for m, s in train_runs()
+                               if not is_comparator(m)] + [
         "results/metrics/summary.csv",
         "results/tables/table4_internal.csv",
-        *[f"results/bootstrap/{n}.json" for n in comparisons_in_config()],
+        *[f"results/bootstrap/{n}.json" for n in study_comparisons()],
         "results/clearance/report.md",
         "results/manifest/composition.csv",
         "results/stain/descriptors.json",

@@ -31,6 +31,7 @@ for group_seeds, group_methods in seed_groups():
             block=lambda wildcards: [stage_block(CFG, "predict", method=wildcards.method, seed=s)
                                      for s in method_seeds(wildcards.method)],
         threads: 1
+        priority: AFTER_TRAINING_PRIORITY
         resources:
             mem_mb=predict_mem_mb,
             runtime=predict_method_runtime,

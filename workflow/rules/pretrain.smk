@@ -13,6 +13,7 @@ rule pretrain_encoder:
     params:
         block=stage_block(CFG, "pretrain"),
     threads: 1  # beside the cohort -> clearance -> manifest -> stain chain, which does not wait for it
+    priority: PRETRAIN_PRIORITY  # beside clearance, once the cohort is done with both cores
     resources:
         mem_mb=3000,
         runtime=30,

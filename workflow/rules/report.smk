@@ -5,9 +5,9 @@
 rule make_report:
     input:
         metrics="results/metrics/metrics.json",
-        bootstrap=lambda wildcards: [f"results/bootstrap/{n}.json" for n in comparisons_in_config()],
+        bootstrap=lambda wildcards: [f"results/bootstrap/{n}.json" for n in reported_comparisons()],
         communication="results/accounting/communication.csv",
-        external=lambda wildcards: [f"results/predictions/{m}/seed{s}/external.csv" for m, s in train_runs()],
+        external=lambda wildcards: [f"results/predictions/{m}/seed{s}/external.csv" for m, s in reported_runs()],
         composition="results/manifest/composition.csv",
         source_composition="results/manifest/source_composition.csv",
         manifest_summary="results/manifest/manifest.json",
@@ -27,10 +27,11 @@ rule make_report:
     log:
         "logs/report/make_report.log",
     params:
-        runs=lambda wildcards: [[m, s] for m, s in train_runs()],
+        runs=lambda wildcards: [[m, s] for m, s in reported_runs()],
         # the figures' 95 % bootstrap CIs: a changed seed or resample count redraws them
         bootstrap={k: getattr(CFG.bootstrap, k) for k in ("seed", "resamples", "confidence")},
     threads: 1
+    priority: AFTER_TRAINING_PRIORITY
     resources:
         mem_mb=2000,
         runtime=10,

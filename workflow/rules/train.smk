@@ -17,6 +17,7 @@ rule train_federated:
     params:
         block=lambda wildcards: stage_block(CFG, "train", method=wildcards.method, seed=wildcards.seed),
     threads: 1
+    priority: TRAIN_PRIORITY
     resources:
         mem_mb=train_mem_mb,
         runtime=train_runtime,

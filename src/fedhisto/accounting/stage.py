@@ -37,7 +37,7 @@ from fedhisto.config.study import Config
 from fedhisto.fedmath.prototypes import PrototypeTraffic, prototype_traffic  # noqa: F401 - re-exported
 from fedhisto.infra.atomic import write_csv
 from fedhisto.infra.provenance import provenance_block, write_sidecar
-from fedhisto.manifest.targets import holdout_count
+from fedhisto.manifest.targets import client_holdouts
 from fedhisto.methods import build_method
 from fedhisto.model.parameter_card import meta_model, model_card
 from fedhisto.model.peft_model import DESCRIPTOR_DIM
@@ -52,8 +52,8 @@ NAMED_KINDS = ("prototype", "style_statistics")
 
 def optimisation_sizes(cfg: Config) -> dict[str, int]:
     targets = cfg.partition_targets()
-    return {client: sum(n - holdout_count(n, cfg.manifest.holdout_fraction[client]) for n in pool)
-            for client, pool in targets.clients.items()}
+    holdouts = client_holdouts(targets, cfg.manifest.holdout_fraction)
+    return {client: sum(pool) - sum(holdouts[client]) for client, pool in targets.clients.items()}
 
 
 def communication_table(cfg: Config, encoder: str | None = None) -> list[dict]:

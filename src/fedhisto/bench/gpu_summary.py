@@ -59,7 +59,7 @@ def study_work(rounds: int = MAX_ROUNDS) -> GridWork:
     pairs, images, runs = 0.0, 0, 0
     for name, seeds in STUDY_GRID:
         method = build_method(name, cfg)
-        per_round_pairs = epochs * optimisation * (1.0 if method.paired_views else 0.5)
+        per_round_pairs = epochs * optimisation * (1.0 if method.objective.paired_views else 0.5)
         per_round_images = validation
         if getattr(method, "prototypes", "none") != "none":
             cap = method.settings.proto_max_images

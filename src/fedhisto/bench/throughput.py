@@ -149,9 +149,10 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
     cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False}, **head},
                        "views": {"crop_size": crop},
                        "train": {"paired_micro_batch": micro, "accumulation_steps": accum}})
-    method = build_method("past_v2", cfg)
+    strategy = build_method("past_v2", cfg)
+    method = strategy.objective  # the client half: what the benchmark trains
     torch.manual_seed(0)
-    model = FedHistoModel(random_encoder(encoder, depth), cfg.model, film=method.film).to(device)
+    model = FedHistoModel(random_encoder(encoder, depth), cfg.model, film=strategy.film).to(device)
     model.train()
     autocast = training_autocast(device)
     mean = torch.tensor(cfg.views.mean, device=device).view(1, 3, 1, 1)

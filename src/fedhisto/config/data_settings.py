@@ -158,6 +158,24 @@ class PartitionTargets(Strict):
         description="pre-holdout pools")
     validation: Counts = (472, 474, 473)
     test: Counts = (473, 475, 472)
+    holdouts: dict[ClientName, Counts] | None = Field(
+        None, json_schema_extra=IF_CHANGED,
+        description="holdout images per client and class, drawn from its pool (the rest is its optimisation set); "
+                    "null: manifest.holdout_fraction of each pool, as the study draws them")
+
+    @model_validator(mode="after")
+    def _holdouts_fit_their_pools(self) -> PartitionTargets:
+        if self.holdouts is None:
+            return self
+        if set(self.holdouts) != set(self.clients):
+            raise ValueError(f"targets.holdouts names clients {sorted(self.holdouts)}, targets.clients "
+                             f"{sorted(self.clients)}: give every client's holdout, or none (holdout_fraction)")
+        for client, hold in self.holdouts.items():
+            for cls, h, n in zip(("ACA", "Normal", "SCC"), hold, self.clients[client], strict=True):
+                if h < 0 or h > max(n - 1, 0):
+                    raise ValueError(f"targets.holdouts.{client} {cls}: {h} of a pool of {n} (a holdout leaves at "
+                                     "least one optimisation image of a class the pool has)")
+        return self
 
 
 class ManifestConfig(Strict):

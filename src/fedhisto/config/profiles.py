@@ -22,6 +22,7 @@ class CohortProfile:
     test: Counts
     external: Counts
     spare: Counts = (0, 0, 0)    # internal originals beyond the targets (rendered, left unused by the manifest)
+    holdouts: dict[str, Counts] | None = None  # per client, drawn from its pool; None: manifest.holdout_fraction
 
     @property
     def internal_total(self) -> int:
@@ -58,13 +59,17 @@ PROFILES: dict[str, CohortProfile] = {
         test=(12, 12, 12),
         external=(24, 16, 24),
     ),
-    # The embedded default: "small"'s client pools and validation (training costs what it did), with
+    # The embedded default: "small"'s optimisation sets and validation (training costs what it did), with
     # evaluation sets large enough that one method's macro-F1 has a 95 % image-bootstrap interval of at
     # most about +/-0.03 (docs/getting-started.md, "Evaluation set sizes"): an internal test of 600 images and
-    # the external cohort at the study's size and mix (LungHist700: 280 ACA / 151 Normal / 260 SCC).
+    # the external cohort at the study's size and mix (LungHist700: 280 ACA / 151 Normal / 260 SCC). Each
+    # site's holdout is 30 images (small's 10 % holdouts were 3 to 10 images, too few to tell one site's
+    # macro-F1 from another's): the pool's class mix, at least 5 of each class the site has; each pool is
+    # small's optimisation set plus that holdout.
     "small_eval": CohortProfile(
-        clients={"C1": (12, 11, 14), "C2": (22, 20, 4), "C3": (9, 9, 16),
-                 "C4": (4, 4, 26), "C5": (26, 38, 0)},
+        clients={"C1": (21, 19, 24), "C2": (33, 30, 9), "C3": (16, 16, 28),
+                 "C4": (9, 9, 43), "C5": (34, 50, 0)},
+        holdouts={"C1": (10, 9, 11), "C2": (13, 12, 5), "C3": (8, 8, 14), "C4": (5, 5, 20), "C5": (12, 18, 0)},
         validation=(12, 12, 12),
         test=(200, 200, 200),
         external=(280, 151, 260),

@@ -310,7 +310,7 @@ class Config(Strict):
         from fedhisto.config.profiles import PROFILES
 
         p = PROFILES[self.cohort.synthetic.profile]
-        return PartitionTargets(clients=p.clients, validation=p.validation, test=p.test)
+        return PartitionTargets(clients=p.clients, validation=p.validation, test=p.test, holdouts=p.holdouts)
 
     def partition_targets(self) -> PartitionTargets:
         """The counts the manifest stage builds to: configured, or the synthetic profile's."""

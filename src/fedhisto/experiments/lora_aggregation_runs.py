@@ -8,7 +8,7 @@ stages' functions, with what the checkpoint keeps only for the latest round reco
   ``sum_{i<=k} sigma_i^2 / sum_i sigma_i^2`` of the leading k = 1..r directions (mean over modules)
   and the effective rank ``exp(H)`` of the normalised energies: does the energy concentrate in a few
   leading directions as rounds go (rank collapse)?
-- the **traffic of the round**: ``Method.model_bytes`` of the round's real start state (FedEx-LoRA's
+- the **traffic of the round**: ``Strategy.model_bytes`` of the round's real start state (FedEx-LoRA's
   dense offsets included) over the clients, plus the method's extra messages (v2's prototypes), as
   Table 8 counts them.
 

@@ -86,7 +86,7 @@ def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: st
     if c.privacy.enabled:
         from fedhisto.train.private import PrivateSites
 
-        private = PrivateSites.start(c, method, clients, families, a.seed)
+        private = PrivateSites.start(c, method.objective, clients, families, a.seed)
     recorder = Recording(model=model, method=method, clients=clients, validation=parts["validation"],
                          descriptors=descriptors, cfg=c, seed=a.seed, device=device, private=private,
                          audited=tuple(a.sites))

@@ -42,12 +42,13 @@ from fedhisto.infra.atomic import write_json
 from fedhisto.infra.code_identity import CodeMismatch, check_code
 from fedhisto.infra.provenance import provenance_block, runtime_block
 from fedhisto.methods import build_method
-from fedhisto.methods.base import GLOBAL, Method
+from fedhisto.methods.base import GLOBAL
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.build import build_model, descriptor_digest
 from fedhisto.train.local import LocalResult
 from fedhisto.train.loop import ClientFailure, ClientUnavailable, TooManyUnavailable, run_rounds
 from fedhisto.train.optimizer_state import federation_refusal
-from fedhisto.train.stage import STAGE, finalise_run, run_identity
+from fedhisto.train.stage import STAGE, finalise_run, run_identity, schedule_record
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,13 @@ class Exchange(Protocol):
         """Send one RecordDict per site; return (replies by site, unavailable sites with why)."""
 
 
-def check_federable(method: Method, sites: list[str]) -> None:
+def check_federable(method: Strategy, sites: list[str]) -> None:
     if method.cfg.privacy.enabled:  # the ledger and secret noise seed live in the in-process run's checkpoint
         raise ValueError("privacy.enabled: DP-SGD runs on the in-process sequential engine only; a Flower site "
                          "keeps no privacy ledger or secret noise seed between messages yet (docs/privacy.md)")
     if (why := federation_refusal(method.cfg)) is not None:  # kept AdamW state would have to live at the site
         raise ValueError(why)
-    if type(method).participants is not Method.participants or method.members(sites) != [GLOBAL]:
+    if type(method).participants is not Strategy.participants or method.members(sites) != [GLOBAL]:
         raise ValueError(f"method {method.name!r} is not a federated method with one global model "
                          "(a method with one model per site, such as local_only or fedsa_lora, and pooled run only on the "
                          "in-process engine)")
@@ -204,7 +205,8 @@ class FederatedRun:
             raise ClientFailure(",".join(self.eval_sites), ckpt["round"],
                                 RuntimeError("the evaluation sites' validation rows overlap (same sample id twice)"))
         stacked = {m: torch.cat(ps)[order] for m, ps in probs.items()}
-        return finalise_run(self.out, ckpt, self.summary(), [ids[i] for i in order], [labels[i] for i in order],
+        summary = {**self.summary(), "local_schedule": schedule_record(self.method.objective, ckpt["round"])}
+        return finalise_run(self.out, ckpt, summary, [ids[i] for i in order], [labels[i] for i in order],
                             stacked, {"dataset_identity": self.identity["dataset_identity"], "engine": "flower"})
 
     def evaluate(self, ex: Exchange, ckpt: dict, targets: list, out_dir: str | Path) -> dict:

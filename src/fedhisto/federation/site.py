@@ -32,7 +32,8 @@ from fedhisto.config.study import Config, load_config
 from fedhisto.data.splits import Split, _load
 from fedhisto.infra.atomic import atomic_path
 from fedhisto.methods import build_method
-from fedhisto.methods.base import GLOBAL, Method
+from fedhisto.methods.base import GLOBAL
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.build import build_model, encoder_digest, pick_device
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.inference import predict
@@ -41,7 +42,7 @@ from fedhisto.train.loop import ClientUnavailable
 from fedhisto.train.participants import validate_members
 
 log = logging.getLogger(__name__)
-_MODELS: dict[tuple, tuple[Method, FedHistoModel]] = {}
+_MODELS: dict[tuple, tuple[Strategy, FedHistoModel]] = {}
 _ENCODERS: dict[tuple, object] = {}  # (encoder config, folder digest) -> FrozenEncoder, before LoRA
 _DATA: dict[tuple, Split] = {}
 DATA_CACHE_FORMAT = 1
@@ -221,7 +222,7 @@ def frozen_encoder(cfg: Config, encoder_dir: str, cache_dir: str = ""):
 
 
 def site_model(cfg_json: str, method_name: str, seed: int, encoder_dir: str, threads: int,
-               cache_dir: str = "") -> tuple[Method, FedHistoModel]:
+               cache_dir: str = "") -> tuple[Strategy, FedHistoModel]:
     torch.set_num_threads(max(threads, 1))
     key = (hashlib.sha256(cfg_json.encode()).hexdigest(), method_name, seed, encoder_dir)
     if key not in _MODELS:
@@ -260,16 +261,18 @@ class Site:
     def upload_before_training(self, start_state: dict[str, torch.Tensor], round_idx: int, k: int):
         from fedhisto.methods.base import named_rng
 
-        return self.method.upload_before_training(self.model, start_state, self.data,
-                                                  named_rng("style_sample", self.seed, round_idx, k), self.device)
+        return self.method.objective.upload_before_training(self.model, start_state, self.data,
+                                                            named_rng("style_sample", self.seed, round_idx, k),
+                                                            self.device)
 
     def train(self, start_state: dict[str, torch.Tensor], payload: dict, round_idx: int, k: int) -> LocalResult:
-        return local_train(self.method, self.model, start_state, self.data, self.descriptors[self.sc.site], payload,
-                           self.cfg, self.seed, round_idx, k, self.device)
+        return local_train(self.method.objective, self.model, start_state, self.data, self.descriptors[self.sc.site],
+                           payload, self.cfg, self.seed, round_idx, k, self.device)
 
     def upload_after_aggregation(self, state: dict[str, torch.Tensor]):
         self.model.load_trainable_state(state)
-        return self.method.upload_after_aggregation(self.model, self.data, self.descriptors[self.sc.site], self.device)
+        return self.method.objective.upload_after_aggregation(self.model, self.data, self.descriptors[self.sc.site],
+                                                              self.device)
 
     # ------------------------------------------------------------ evaluation site
     def validation(self) -> Split:

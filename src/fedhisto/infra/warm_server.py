@@ -37,6 +37,7 @@ so running cold would only pay them twice (the first jobs of every run did: abou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import logging
@@ -66,9 +67,15 @@ START_WAIT_S = 120.0  # a hang guard: the server's imports take seconds; past th
 PRELOAD = ("torch", "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers", "peft",
            "fedhisto.train.stage", "fedhisto.predict.stage", "fedhisto.pretrain.stage", "fedhisto.accounting.stage", "fedhisto.stain.stage",
            "fedhisto.metrics.stage", "fedhisto.bootstrap.stage", "fedhisto.report.stage", "sklearn.metrics", "fedhisto.infra.plotting")
+# Each job's two lines in the server's log: its log file and the job process's own CPU up to the call
+# (interpreter, Snakemake's script preamble, config), then the child's end with its CPU (wait4: the child and
+# its reaped descendants). benchmarks/pipeline_timeline.py reads them into a per-job timeline.
+STARTED_LINE = "warm server: %s for pid %s in child %d (log %s, job process %.2f s CPU before the call)"
+ENDED_LINE = "warm server: child %d ended (%s), peak resident memory %.2f GiB, CPU %.2f s user %.2f s system"
 _HEADER = struct.Struct("!Q")
 _SHUTDOWN = "__shutdown__"
 _STARTED: list[str] = []  # sockets of the servers this process started (and so stops)
+_PROCESSES: dict[str, subprocess.Popen] = {}  # their processes, waited for when stopped
 log = logging.getLogger(__name__)
 
 
@@ -155,7 +162,8 @@ def call(target: str, *args: Any, log_path: str | None = None, **kwargs: Any) ->
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         request = {"target": target, "code": _code_digest(), "cwd": os.getcwd(), "env": dict(os.environ),
-                   "log_path": log_path, "client_pid": os.getpid(), "call": _dumps((args, kwargs))}
+                   "log_path": log_path, "client_pid": os.getpid(), "client_cpu_s": time.process_time(),
+                   "call": _dumps((args, kwargs))}
         _send(conn, request, [0, 1, 2])
         try:
             started, _ = _recv(conn)
@@ -306,7 +314,8 @@ def _serve_one(server: socket.socket, code: str) -> bool:
                 status = _run_child(conn, request, fds)
             finally:
                 os._exit(status)
-        log.info("warm server: %s for pid %s in child %d", request["target"], request.get("client_pid"), pid)
+        log.info(STARTED_LINE, request["target"], request.get("client_pid"), pid, request.get("log_path"),
+                 request.get("client_cpu_s", float("nan")))
     except Exception as exc:
         log.warning("warm server: request not served (%s: %s); its job runs in its own process",
                     type(exc).__name__, exc)
@@ -328,7 +337,7 @@ def _reap(folder: str | None = None) -> None:
         if pid == 0:
             return
         how = death_note(folder, pid, status, usage.ru_maxrss)
-        log.info("warm server: child %d ended (%s), peak resident memory %.2f GiB", pid, how, usage.ru_maxrss / 2 ** 20)
+        log.info(ENDED_LINE, pid, how, usage.ru_maxrss / 2 ** 20, usage.ru_utime, usage.ru_stime)
 
 
 def _alive(pid: int) -> bool:
@@ -363,6 +372,7 @@ def start_server(log_file: str | Path | None = None) -> str | None:
             out.close()
     os.environ[ENV_SOCKET], os.environ[ENV_PID] = path, str(server.pid)
     _STARTED.append(path)
+    _PROCESSES[path] = server
     return path
 
 
@@ -383,6 +393,12 @@ def stop_server() -> None:
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    process = _PROCESSES.pop(path, None)
+    # reaped here, its CPU (and its jobs') counts in this process's children as a cold job's does: `/usr/bin/time
+    # snakemake ...` then sees the whole run. One still busy stops on its own once this process is gone.
+    if process is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,6 +412,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the finally block removes the socket
     serve(args.socket, args.parent, tuple(args.preload))
+    # done: skip the interpreter's teardown of torch and the preloaded modules (seconds, which the Snakemake run
+    # that stops this server would wait for); its log is flushed and it holds nothing else
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -47,9 +47,9 @@ from fedhisto.infra.atomic import write_csv, write_json
 from fedhisto.infra.provenance import provenance_block, write_sidecar
 from fedhisto.manifest.source_audit import SOURCE_COLUMNS, allocate, single_source_classes, source_composition
 from fedhisto.manifest.targets import (
+    client_holdouts,
     demand_rows,
     fit_factor,
-    holdout_count,
     scale,
     scaling_warning,
     shortfall_lines,
@@ -204,6 +204,7 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
             "the rest of a family a partition takes part of stays unused). Demand against what clearance kept:\n"
             + "\n".join(shortfall_lines(demand)) + "\n" + ways_out(policy, scaling=False))
 
+    holdouts = client_holdouts(targets, cfg.manifest.holdout_fraction)
     for k, (client, pool) in enumerate(sorted(targets.clients.items())):
         sites = set(cfg.manifest.client_sites.get(client, []))
         for c, cls in enumerate(CLASSES):
@@ -212,7 +213,7 @@ def build_manifest(sources_csv: str | Path, families_csv: str | Path, cfg: Confi
             chosen = take(free, pool[c], unit_of, owner=(client, None))
             if len(chosen) < pool[c]:
                 raise short(f"client {client} {cls}", pool[c], len(chosen), str(sorted(sites)))
-            n_hold = holdout_count(len(chosen), cfg.manifest.holdout_fraction[client])
+            n_hold = holdouts[client][c]  # len(chosen) == pool[c] here
             in_pool = set(chosen)  # holdouts are drawn in units of this pool too
             holdout = set(take(_order(chosen, seed, 2, k, c), n_hold,
                                {i: [u for u in unit_of[i] if u in in_pool] for i in chosen}, owner=(client, "holdout")))

@@ -58,8 +58,12 @@ def scale(targets: PartitionTargets, factor: float) -> PartitionTargets:
     def sc(counts) -> tuple[int, int, int]:
         return tuple(int(np.floor(n * factor)) for n in counts)  # type: ignore[return-value]
 
-    return PartitionTargets(clients={k: sc(v) for k, v in targets.clients.items()},
-                            validation=sc(targets.validation), test=sc(targets.test))
+    clients = {k: sc(v) for k, v in targets.clients.items()}
+    holdouts = None if targets.holdouts is None else {  # still one optimisation image per class left
+        k: tuple(min(h, max(n - 1, 0)) for h, n in zip(sc(v), clients[k], strict=True))
+        for k, v in targets.holdouts.items()}
+    return PartitionTargets(clients=clients, validation=sc(targets.validation), test=sc(targets.test),
+                            holdouts=holdouts)
 
 
 def shortfall_lines(rows: list[dict]) -> list[str]:
@@ -98,6 +102,14 @@ def holdout_count(n: int, fraction: float) -> int:
     """``round(frac * n)`` half-to-even, leaving at least one optimisation image when n >= 2."""
     h = round(fraction * n)
     return min(h, n - 1) if n >= 2 else h
+
+
+def client_holdouts(targets: PartitionTargets, fractions: dict[str, float]) -> dict[str, tuple[int, ...]]:
+    """Holdout images per client and class: the targets' own counts where they give them (the embedded
+    default's profile), else ``holdout_fraction`` of each pool (the study's draw)."""
+    if targets.holdouts is not None:
+        return {client: tuple(hold) for client, hold in targets.holdouts.items()}
+    return {client: tuple(holdout_count(n, fractions[client]) for n in pool) for client, pool in targets.clients.items()}
 
 
 # ------------------------------------------------------------------ Table 2 as built

@@ -2,12 +2,14 @@
 
 DP-SGD clips each privacy unit's gradient, so it needs the local objective as a sum of per-image
 terms whose value depends on that image alone, given the round's public inputs (the start state,
-the server's payload, the site's class-balanced weights, whose counts the guarantee takes as public).
-Each method says in its own file whether it can (``Method.dp_refusal``: None, or the reason it
-cannot) and what that objective is (``Method.private_objective``): the loss of ONE image from its
-views' outputs, written so ``vmap`` can map it, and the gradient of any term without data (it joins
-the noisy gradient after the noise, as post-processing). The engine (``train.private``) and
-``fedhisto.privacy`` only call these two hooks; they name no method.
+the server's payload, the site's class-balanced weights, which the guarantee holds at their
+published values: neighbouring datasets never have equal counts).
+A method's client objective declares what that objective is (``Objective.private_objective``): the
+loss of ONE image from its views' outputs, written so ``vmap`` can map it, and the gradient of any
+term without data (it joins the noisy gradient after the noise, as post-processing); the default
+objective's form is :func:`image_ce`. Whether it can (``Objective.dp_refusal``) follows from its
+declarations, or from the reason its own file gives. The engine (``train.private``) and
+``fedhisto.privacy`` only call these hooks; they name no method.
 
 Under DP-SGD the division of the batch form by the micro-batch size becomes the division by the
 expected logical batch size (``privacy.dpsgd``), so the per-image objective is the batch objective
@@ -48,7 +50,7 @@ class PrivateObjective:
 @dataclass(frozen=True)
 class ImageCE:
     """Class-balanced CE of one image over its V views: w_y CE(l_v, y) averaged over the views, or summed
-    (``train.readings.ce_views``): ``Method.terms_from_outputs``'s CE on a batch of that image alone."""
+    (``train.readings.ce_views``): ``Objective.terms_from_outputs``'s CE on a batch of that image alone."""
 
     ce_weights: torch.Tensor                       # (C,) class-balanced weights of the site
     ce_views: str = "mean"
@@ -63,7 +65,7 @@ class ImageCE:
 
 
 def image_ce(run: Any) -> ImageCE:
-    """The default objective (``Method.terms_from_outputs`` without extra terms) of one image of ``run``."""
+    """The default objective (``Objective.terms_from_outputs`` without extra terms) of one image of ``run``."""
     return ImageCE(run.ce_weights, run.cfg.train.readings.ce_views)
 
 

@@ -43,8 +43,8 @@ from pydantic import Field
 
 from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.infra.settings_base import Strict
-from fedhisto.methods.base import GLOBAL, Method, PaperAssumptions, RoundUpdate
-from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.base import GLOBAL, PaperAssumptions, RoundUpdate
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
 State = dict[str, torch.Tensor]
@@ -98,17 +98,14 @@ def pair_key(a_key: str) -> str:
     return a_key.replace("lora_A", "lora_BA")
 
 
-class FedAdam(Method):
-    """fedavg_peft's clients with an adaptive server optimiser (see the module docstring)."""
+class FedAdam(Strategy):
+    """fedavg_peft's clients (the default objective) with an adaptive server optimiser (see the module
+    docstring). Under DP the clients train the default objective per image; the server optimiser acts on
+    the noised states the sites return (post-processing), so it changes no epsilon."""
 
     # Algorithm 2's clients take plain SGD steps (x <- x - eta_l g); here they run the study's AdamW, so
     # the report marks the departure (the server optimiser is the paper's)
     assumptions = PaperAssumptions("Reddi et al. 2021 (Algorithm 2)", local_optimizer="sgd")
-
-    def dp_refusal(self) -> str | None:
-        """Under DP the clients train the default objective per image; the server optimiser acts on the
-        noised states the sites return (post-processing), so it changes no epsilon."""
-        return objective_refusal(self.cfg)
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         p = self.settings

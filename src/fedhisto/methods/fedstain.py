@@ -41,11 +41,12 @@ from fedhisto.methods.base import (
     BatchInputs,
     LocalRun,
     LocalSchedule,
-    Method,
     PaperAssumptions,
     balanced_cross_entropy,
     named_rng,
 )
+from fedhisto.methods.objective import Objective
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -168,14 +169,11 @@ def fedstain_loss(logits: list[torch.Tensor], zs: list[torch.Tensor], y: torch.T
     }
 
 
-class FedStain(Method):
-    """Server: pools every client's uploaded statistics and sends each client the pool without its own
-    rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Client: statistics of ceil(r n_i) images
-    before training; L = CE + alpha L_RA + beta L_JS over four views per batch (eq. 6)."""
+class FedStainObjective(Objective):
+    """Client: statistics of ceil(r n_i) images before training (Algorithm 2, stage a); L = CE + alpha L_RA +
+    beta L_JS over four views per batch (eq. 6), MixStyle restyling two of them inside the encoder."""
 
-    # its paper's Tables I-II and its authors' code train with Adam (no weight decay); ``protocol: study``
-    # (the default) trains with the study's AdamW and is marked as a departure in the report
-    assumptions = PaperAssumptions("FedStain (its paper's Tables I-II and code)", local_optimizer="adam")
+    pre_uploads = True
 
     def dp_refusal(self) -> str | None:
         return ("its loss does not decompose per sample: the representation alignment is a supervised contrastive "
@@ -195,13 +193,8 @@ class FedStain(Method):
         lr = fs.paper_lr + (fs.paper_lr_end - fs.paper_lr) * min(round_idx, span) / span
         return LocalSchedule("adam", lr, 0.0, fs.paper_local_epochs, fs.paper_batch, 1, self.cfg.train.grad_clip)
 
-    pre_uploads = True
-
     def upload_before_training(self, model, start_state, data, rng, device) -> StyleStats:
         return client_style_statistics(model, start_state, data, self.cfg, rng, device)
-
-    def configure_train(self, round_idx, server_state, uploads: dict[str, Any]):
-        return {name: {"style_pool": pool_excluding(uploads, name)} for name in uploads}
 
     @staticmethod
     def plain_views(run: LocalRun, batch: Batch) -> tuple[torch.Tensor, np.random.Generator]:
@@ -228,6 +221,19 @@ class FedStain(Method):
 
     def restyle(self, hidden: torch.Tensor, spec) -> torch.Tensor:
         return restyle_tokens(hidden, *spec)
+
+
+class FedStain(Strategy):
+    """Server: pools every client's uploaded statistics and sends each client the pool without its own
+    rows (Algorithm 2, lines 8-9); FedAvg of the adapters. Its clients: ``FedStainObjective``."""
+
+    objective_class = FedStainObjective
+    # its paper's Tables I-II and its authors' code train with Adam (no weight decay); ``protocol: study``
+    # (the default) trains with the study's AdamW and is marked as a departure in the report
+    assumptions = PaperAssumptions("FedStain (its paper's Tables I-II and code)", local_optimizer="adam")
+
+    def configure_train(self, round_idx, server_state, uploads: dict[str, Any]):
+        return {name: {"style_pool": pool_excluding(uploads, name)} for name in uploads}
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio)}

@@ -37,8 +37,9 @@ from fedhisto.fedmath.fedstain_code_ops import (
 )
 from fedhisto.fedmath.fedstain_ops import augmix, js_multi, representation_alignment, style_traffic
 from fedhisto.infra.settings_base import IF_CHANGED, Strict
-from fedhisto.methods.base import Batch, BatchInputs, LocalRun, Method, balanced_cross_entropy
-from fedhisto.methods.fedstain import FedStain, from_unit, to_unit
+from fedhisto.methods.base import Batch, BatchInputs, LocalRun, balanced_cross_entropy
+from fedhisto.methods.fedstain import FedStain, FedStainObjective, from_unit, to_unit
+from fedhisto.methods.objective import Objective
 from fedhisto.model.peft_model import FedHistoModel
 
 #: the code's JS clamps the mixture distribution at 1e-7
@@ -121,9 +122,9 @@ def fedstain_code_terms(model: FedHistoModel, x: torch.Tensor, y: torch.Tensor, 
     return fedstain_code_loss(logits, zs, y, ce_weights, cfg, nominal_batch)
 
 
-class FedStainCode(FedStain):
-    """Server as ``FedStain`` (pool without the client's own rows, FedAvg); client: pixel moments up
-    before training, three views per batch, the code's objective. No hook inside the encoder."""
+class FedStainCodeObjective(FedStainObjective):
+    """Client: pixel moments up before training, three views per batch, the code's objective. No hook
+    inside the encoder."""
 
     def dp_refusal(self) -> str | None:
         return ("its loss does not decompose per sample: the SupCon alignment of each generated view against the "
@@ -134,7 +135,7 @@ class FedStainCode(FedStain):
         return client_pixel_moments(data, self.cfg, rng)
 
     def local_schedule(self, round_idx: int):
-        return Method.local_schedule(self, round_idx)  # the study's protocol (no paper switch here)
+        return Objective.local_schedule(self, round_idx)  # the study's protocol (no paper switch here)
 
     # three views and the code's loss; nothing restyles features
     def batch_inputs(self, run: LocalRun, batch: Batch) -> BatchInputs:
@@ -146,6 +147,13 @@ class FedStainCode(FedStain):
 
     def restyle_layer(self) -> int | None:
         return None
+
+
+class FedStainCode(FedStain):
+    """Server as ``FedStain`` (pool without the client's own rows, FedAvg); its clients:
+    ``FedStainCodeObjective``."""
+
+    objective_class = FedStainCodeObjective
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         """Up: floor(r n_i) rows of 3 pixel skewness + 3 pixel kurtosis floats; down: the others' rows."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fedhisto.methods.base import Method
-from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.strategy import Strategy
 
 
-class LocalOnly(Method):
+class LocalOnly(Strategy):
+    """Server only: the default objective (under DP: its per-image form; nothing leaves a site)."""
+
     exchanges_model = False  # nothing travels between sites and server
 
     def members(self, participants: Sequence[str]) -> list[str]:
@@ -24,8 +25,5 @@ class LocalOnly(Method):
     def start_state(self, members, participant):
         return members[participant]
 
-    def aggregate_train(self, update, model):
+    def aggregate_train(self, update, model):  # no exchange: each returned client's state is its model
         return dict(update.states), update.server_state
-
-    def dp_refusal(self) -> str | None:  # under DP: the default objective per image; nothing leaves a site
-        return objective_refusal(self.cfg)  # no exchange: each returned client's state is its model

@@ -4,18 +4,22 @@
 Why methods and not an aggregation option of every method: two of the aggregators change the
 *client* as well as the server (FFA-LoRA trains B alone; FedSA-LoRA keeps B at the site, so a run has
 one model per site), and FlexLoRA changes what each site starts from (its own rank). Those are the
-hooks a method owns (``trains``, ``members``, ``start_state``, ``aggregate_train``), so each is a thin
-registration of this class with the aggregator's name, beside ``fedavg_peft`` (the same model with
-the study's delta-SVD), and the aggregators themselves stay pure functions any method can call.
+hooks a method owns (the objective's ``trained``; the strategy's ``members``, ``start_state``,
+``aggregate_train``), so each is a thin registration of this strategy with the aggregator's name,
+beside ``fedavg_peft`` (the same model with the study's delta-SVD), and the aggregators themselves
+stay pure functions any method can call.
 The PAST family takes the ones that keep one global model as an option of its own
 (``train.past.lora_aggregator``, ``methods.past``): v2 and FedAvg-PEFT under each aggregator.
 
 Heterogeneous ranks (``train.lora_aggregation.site_ranks``, e.g. ``[[C1, 4], [C4, 2]]``; sites not
 named train at ``model.lora_r``): the model keeps rank ``model.lora_r`` everywhere and a rank-r_k
-site starts every round from the aggregate's leading r_k directions, the others zero. Zero factor
-rows/columns get zero gradients and AdamW leaves them zero, so the site trains exactly a rank-r_k
-LoRA (scaling alpha / ``model.lora_r``). Only an aggregator that admits it (FlexLoRA) takes a rank per
-site; the others refuse it by name when the method is built.
+site starts every round from the aggregate's leading r_k directions, the others zero; the server
+tells it r_k (its payload's ``rank``) and the site declares the padded rows of A and columns of B
+structurally zero (``trained``: masks). Zero factor rows/columns get zero gradients anyway, and the
+declared masks keep them exactly zero where something else would reach them (DP-SGD's noise), so the
+site trains exactly a rank-r_k LoRA (scaling alpha / ``model.lora_r``) and sends what Table 8 counts.
+Only an aggregator that admits it (FlexLoRA) takes a rank per site; the others refuse it by name when
+the method is built.
 
 FedEx-LoRA (``fedex_lora``) folds the residual of the factor mean into the frozen weights: the global
 member state carries the cumulative offsets as dense ``folded_base.*`` tensors
@@ -35,12 +39,13 @@ from collections.abc import Sequence
 import torch
 from pydantic import Field
 
-from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, lora_pairs
+from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, check_frozen, lora_pairs
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
 from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
 from fedhisto.infra.settings_base import Strict
-from fedhisto.methods.base import GLOBAL, Method, RoundUpdate
-from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.base import GLOBAL, RoundUpdate
+from fedhisto.methods.objective import Objective
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -57,8 +62,38 @@ class LoraAggregationConfig(Strict):
                                           "sites not named: model.lora_r); only flexlora admits it, the others refuse")
 
 
-class LoraAggregated(Method):
+class LoraObjective(Objective):
+    """fedavg_peft's objective over what the aggregator lets a site train (``trained``).
+
+    Under DP-SGD the clients train fedavg_peft's objective per image (the base class's), and DP-SGD clips and
+    noises only the tensors declared here: for FFA-LoRA that is B alone, its paper's design for DP; for a
+    FlexLoRA site below the model's rank, its rank-r_k block (the padded block is masked); FedSA-LoRA's
+    site-kept B is noised like the rest and never released. Aggregation, rank truncation and the
+    redistributed factors are post-processing of noised states, and so is FedEx-LoRA's folded residual
+    sum_k a_k s B_k A_k - s B' A': the server computes it from the released (noised) factors, never from
+    anything a site did not release."""
+
+    def __init__(self, name, cfg, config_key=None, *, aggregator_name: str) -> None:
+        super().__init__(name, cfg, config_key)
+        self.aggregator = aggregator(aggregator_name)
+
+    def trained(self, start_state, payload):
+        """FFA-LoRA: every trainable tensor but the frozen A. A rank-r_k site (payload ``rank``): A's rows and
+        B's columns beyond r_k are declared structurally zero (masked)."""
+        frozen = self.aggregator.frozen_factor
+        out = {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
+        rank = payload.get("rank")
+        if rank is not None:
+            for a_key, b_key in lora_pairs(list(out)):
+                out[a_key], out[b_key] = truncate(torch.ones_like(start_state[a_key]),
+                                                  torch.ones_like(start_state[b_key]), rank)
+        return out
+
+
+class LoraAggregated(Strategy):
     """fedavg_peft's clients and model; the server aggregates LoRA factors with ``aggregator``."""
+
+    objective_class = LoraObjective
 
     def __init__(self, name, cfg, config_key=None, *, aggregator_name: str) -> None:
         super().__init__(name, cfg, config_key)
@@ -88,12 +123,13 @@ class LoraAggregated(Method):
         return out
 
     # ------------------------------------------------------------------ hooks
-    def trains(self, name: str) -> bool:
-        frozen = self.aggregator.frozen_factor
-        return not (frozen and f".{frozen}." in name)
-
     def members(self, participants: Sequence[str]) -> list[str]:
         return sorted(participants) if self.own_holdout else [GLOBAL]
+
+    def configure_train(self, round_idx, server_state, uploads):
+        """A site below the model's rank is told its rank r_k (its start is truncated to it, ``start_state``)."""
+        r = self.cfg.model.lora_r
+        return {n: ({"rank": self.site_ranks[n]} if self.site_ranks.get(n, r) != r else {}) for n in uploads}
 
     def start_state(self, members, participant):
         if self.own_holdout:
@@ -109,6 +145,7 @@ class LoraAggregated(Method):
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         names = sorted(update.states)
+        check_frozen(self.aggregator, update.states, update.starts)
         states, weights = [update.states[n] for n in names], [update.weights[n] for n in names]
         if not self.own_holdout:  # one global model: FedEx-LoRA's fold goes into it (fedmath...fold)
             return {GLOBAL: aggregate_with_fold(self.aggregator, states, weights, model.lora_scaling,
@@ -118,15 +155,6 @@ class LoraAggregated(Method):
         local = self.aggregator.local_factor
         return {n: {k: (update.states[n][k] if f".{local}." in k else v) for k, v in merged.items()}
                 for n in names}, update.server_state
-
-    def dp_refusal(self) -> str | None:
-        """Under DP-SGD the clients train fedavg_peft's objective per image (the base class's). Only the tensors
-        the method trains are clipped and noised (``trains``): for FFA-LoRA that is B alone, its paper's design
-        for DP; FedSA-LoRA's site-kept B is noised like the rest and never released. Aggregation, rank
-        truncation and the redistributed factors are post-processing of noised states, and so is FedEx-LoRA's
-        folded residual sum_k a_k s B_k A_k - s B' A': the server computes it from the released (noised)
-        factors, never from anything a site did not release."""
-        return objective_refusal(self.cfg)
 
     # ------------------------------------------------------------ accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:

@@ -21,6 +21,7 @@ import torch
 from pydantic import Field
 
 from fedhisto.data.splits import Split, eval_batches
+from fedhisto.fedmath.lora_aggregators import aggregator
 from fedhisto.fedmath.losses import (
     feature_consistency,
     js_divergence,
@@ -43,12 +44,13 @@ from fedhisto.methods.base import (
     GLOBAL,
     Batch,
     LocalRun,
-    Method,
     RoundUpdate,
     client_descriptors,
     zero_descriptors,
 )
-from fedhisto.methods.dp_objective import ImageCE, PrivateObjective, objective_refusal
+from fedhisto.methods.dp_objective import ImageCE, PrivateObjective
+from fedhisto.methods.objective import Objective
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 
 
@@ -108,11 +110,14 @@ class PastUnitLoss(ImageCE):
         return loss
 
 
-class PastFamily(Method):
-    def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
-                 prototypes: Literal["none", "v1", "v2"] = "none", paired_views: bool = False, js: bool = False,
-                 feat: bool = False, aggregation: Literal["sample_mass", "adaptive"] = "sample_mass",
-                 proximal: bool = False, stain_views: bool = False) -> None:
+class PastObjective(Objective):
+    """The family's clients: class-balanced CE on one or two stain views, JS and feature consistency between
+    the views, the prototype term against the round's global prototypes, FedProx's proximal term, and the
+    prototype upload after aggregation (study eq. 2, section 3.7)."""
+
+    def __init__(self, name, cfg, config_key=None, *, prototypes: Literal["none", "v1", "v2"] = "none",
+                 paired_views: bool = False, js: bool = False, feat: bool = False, proximal: bool = False,
+                 stain_views: bool = False) -> None:
         super().__init__(name, cfg, config_key)
         if stain_views and paired_views:
             raise ValueError(f"method {name!r}: stain_views is the single-view arm's switch (paired views are "
@@ -120,71 +125,16 @@ class PastFamily(Method):
         # issue 23: a stain-augmented single-view arm draws v2's first-view perturbation for its one view
         # (views.training_views with stain_single=True); the others follow views.single_view_stain
         self.stain_single = True if stain_views else None
-        self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
+        self.prototypes = prototypes
         self.paired_views, self.js, self.feat = paired_views, js, feat
-        self.aggregation, self.proximal = aggregation, proximal
-        self.lora_aggregator = self._lora_aggregator()
+        self.proximal = proximal
+        chosen = self.settings.lora_aggregator if self.settings is not None else "delta_svd"
+        self.frozen_factor = aggregator(chosen).frozen_factor  # FFA-LoRA's A under train.past.lora_aggregator
 
-    def _lora_aggregator(self):
-        """The server's LoRA aggregator (``train.past.lora_aggregator``), or None for the study's delta-SVD
-        (the default's code path, unchanged)."""
-        name = self.settings.lora_aggregator if self.settings is not None else "delta_svd"
-        if name == "delta_svd":
-            return None
-        if name == "fedsa_lora":
-            raise ValueError(f"train.past.lora_aggregator: fedsa_lora cannot aggregate method {self.name!r}: it keeps "
-                             "B at each site, so a run has one model per site, and the PAST family keeps one global "
-                             "model (its prototypes and adaptive weights are the global model's); train the "
-                             "fedsa_lora method instead")
-        from fedhisto.fedmath.lora_aggregators import aggregator
-
-        return aggregator(name)
-
-    def descriptors(self, doc, participants):
-        if not self.film:
-            return super().descriptors(doc, participants)
-        return zero_descriptors(participants) if self.zero_descriptor else client_descriptors(doc, participants)
-
-    def configure_train(self, round_idx, server_state, uploads):
-        protos = ServerPrototypes.from_state(server_state) if server_state else None
-        return {name: {"prototypes": protos} for name in uploads}
-
-    def client_weights(self, counts: Sequence[int], updates: Sequence[torch.Tensor]) -> list[float]:
-        if self.aggregation == "adaptive":
-            return Adaptive(floor=self.settings.adaptive_floor)(counts, updates)
-        return SampleMass()(counts, updates)
-
-    def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
-        """``train.readings.adaptive_on: delta_w``: the adaptive weights recomputed on the induced LoRA
-        updates s (B A - B0 A0) (the engine hands ``client_weights`` the raw factor deltas); the round's
-        recorded weights are these. Otherwise the default aggregation."""
-        if self.aggregation == "adaptive" and self.cfg.train.readings.adaptive_on == "delta_w":
-            names = sorted(update.states)
-            weights = Adaptive(floor=self.settings.adaptive_floor)(
-                [update.counts[n] for n in names],
-                [induced_update(update.states[n], update.starts[n], model.lora_scaling) for n in names])
-            update.weights.update(zip(names, weights, strict=True))
-        if self.lora_aggregator is None:
-            return super().aggregate_train(update, model)
-        from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
-        from fedhisto.methods.lora_aggregated import base_dtype
-
-        names = sorted(update.states)
-        merged = aggregate_with_fold(self.lora_aggregator, [update.states[n] for n in names],
-                                     [update.weights[n] for n in names], model.lora_scaling, self.cfg.model.lora_r,
-                                     update.starts[names[0]], base_dtype(model))
-        return {GLOBAL: merged}, update.server_state
-
-    def trains(self, name: str) -> bool:
+    def trained(self, start_state, payload):
         """Under ``lora_aggregator: ffa_lora`` the sites keep A at its shared initialisation (FFA-LoRA)."""
-        frozen = self.lora_aggregator.frozen_factor if self.lora_aggregator is not None else None
-        return not (frozen and f".{frozen}." in name)
-
-    def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
-        """Table 8: the study's exchange, or what the chosen LoRA aggregator sends (``message_bytes``)."""
-        if self.lora_aggregator is None:
-            return super().model_bytes(state, clients)
-        return len(clients) * sum(self.lora_aggregator.message_bytes(state))
+        frozen = self.frozen_factor
+        return {n: m for n, m in super().trained(start_state, payload).items() if not (frozen and f".{frozen}." in n)}
 
     def extra_terms(self, run: LocalRun, batch: Batch, logits, zs) -> dict[str, torch.Tensor]:
         p = self.settings
@@ -206,12 +156,6 @@ class PastFamily(Method):
         return terms
 
     # ---------------------------------------------------------- under DP-SGD
-    def dp_refusal(self) -> str | None:
-        if self.prototypes != "none" and self.cfg.privacy.prototypes != "noised":
-            return ("it uploads class prototypes (centroids of the site's embeddings) every round, un-noised; set "
-                    "privacy.prototypes: noised to release them through the Gaussian mechanism")
-        return objective_refusal(self.cfg)
-
     def unit_loss(self, payload: dict, ce_weights: torch.Tensor, device: torch.device | str = "cpu") -> PastUnitLoss:
         """The objective of one image for one round's payload (with the round's global prototypes, if any)."""
         s = self.settings
@@ -260,6 +204,78 @@ class PastFamily(Method):
     def post_uploads(self) -> bool:  # prototype rows upload centroids under the new model
         return self.prototypes != "none"
 
+
+class PastFamily(Strategy):
+    """The family's server: descriptors (FiLM), the global prototypes sent each round, sample-mass or adaptive
+    weights, delta-SVD or another LoRA aggregator, and the prototype exchange after aggregation."""
+
+    objective_class = PastObjective
+
+    def __init__(self, name, cfg, config_key=None, *, film: bool = False, zero_descriptor: bool = False,
+                 prototypes: Literal["none", "v1", "v2"] = "none",
+                 aggregation: Literal["sample_mass", "adaptive"] = "sample_mass") -> None:
+        super().__init__(name, cfg, config_key)
+        self.film, self.zero_descriptor, self.prototypes = film, zero_descriptor, prototypes
+        self.aggregation = aggregation
+        self.lora_aggregator = self._lora_aggregator()
+
+    def _lora_aggregator(self):
+        """The server's LoRA aggregator (``train.past.lora_aggregator``), or None for the study's delta-SVD
+        (the default's code path, unchanged)."""
+        name = self.settings.lora_aggregator if self.settings is not None else "delta_svd"
+        if name == "delta_svd":
+            return None
+        if name == "fedsa_lora":
+            raise ValueError(f"train.past.lora_aggregator: fedsa_lora cannot aggregate method {self.name!r}: it keeps "
+                             "B at each site, so a run has one model per site, and the PAST family keeps one global "
+                             "model (its prototypes and adaptive weights are the global model's); train the "
+                             "fedsa_lora method instead")
+        return aggregator(name)
+
+    def descriptors(self, doc, participants):
+        if not self.film:
+            return super().descriptors(doc, participants)
+        return zero_descriptors(participants) if self.zero_descriptor else client_descriptors(doc, participants)
+
+    def configure_train(self, round_idx, server_state, uploads):
+        protos = ServerPrototypes.from_state(server_state) if server_state else None
+        return {name: {"prototypes": protos} for name in uploads}
+
+    def client_weights(self, counts: Sequence[int], updates: Sequence[torch.Tensor]) -> list[float]:
+        if self.aggregation == "adaptive":
+            return Adaptive(floor=self.settings.adaptive_floor)(counts, updates)
+        return SampleMass()(counts, updates)
+
+    def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
+        """``train.readings.adaptive_on: delta_w``: the adaptive weights recomputed on the induced LoRA
+        updates s (B A - B0 A0) (the engine hands ``client_weights`` the raw factor deltas); the round's
+        recorded weights are these. Otherwise the default aggregation."""
+        if self.aggregation == "adaptive" and self.cfg.train.readings.adaptive_on == "delta_w":
+            names = sorted(update.states)
+            weights = Adaptive(floor=self.settings.adaptive_floor)(
+                [update.counts[n] for n in names],
+                [induced_update(update.states[n], update.starts[n], model.lora_scaling) for n in names])
+            update.weights.update(zip(names, weights, strict=True))
+        if self.lora_aggregator is None:
+            return super().aggregate_train(update, model)
+        from fedhisto.fedmath.lora_aggregators import check_frozen
+        from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
+        from fedhisto.methods.lora_aggregated import base_dtype
+
+        check_frozen(self.lora_aggregator, update.states, update.starts)
+        names = sorted(update.states)
+        merged = aggregate_with_fold(self.lora_aggregator, [update.states[n] for n in names],
+                                     [update.weights[n] for n in names], model.lora_scaling, self.cfg.model.lora_r,
+                                     update.starts[names[0]], base_dtype(model))
+        return {GLOBAL: merged}, update.server_state
+
+    def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:
+        """Table 8: the study's exchange, or what the chosen LoRA aggregator sends (``message_bytes``)."""
+        if self.lora_aggregator is None:
+            return super().model_bytes(state, clients)
+        return len(clients) * sum(self.lora_aggregator.message_bytes(state))
+
+    # ------------------------------------------------- prototypes (study 3.7)
     def aggregate_uploads(self, uploads: dict[str, Any], server_state: Any) -> dict:
         got = [uploads[n] for n in sorted(uploads)]
         dim = next(v.numel() for u in got for v in u.centroids.values())

@@ -9,13 +9,15 @@ encoder, adapters, objective (class-balanced CE on one plain view, as ``fedavg_p
 from __future__ import annotations
 
 from fedhisto.data.splits import Split
-from fedhisto.methods.base import GLOBAL, Method
-from fedhisto.methods.dp_objective import objective_refusal
+from fedhisto.methods.base import GLOBAL
+from fedhisto.methods.strategy import Strategy
 
 POOLED = "pooled"
 
 
-class Pooled(Method):
+class Pooled(Strategy):
+    """Server only: the default objective, the union of the clients as one participant (one site under DP)."""
+
     exchanges_model = False  # nothing travels between sites and server
 
     def participants(self, clients: dict[str, Split]) -> dict[str, Split]:
@@ -28,6 +30,3 @@ class Pooled(Method):
 
     def aggregate_train(self, update, model):
         return {GLOBAL: update.states[POOLED]}, update.server_state
-
-    def dp_refusal(self) -> str | None:  # under DP: the default objective per image, the union as one site
-        return objective_refusal(self.cfg)

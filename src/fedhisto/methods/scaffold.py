@@ -2,7 +2,7 @@
 Learning", Algorithm 1 with option II) on the study's PEFT model, as its paper runs it.
 
 What the paper assumes, and this method declares (``assumptions``; a run that departs from it gets a
-caveat line in the report and every table row, ``Method.protocol_departures``):
+caveat line in the report and every table row, ``Strategy.protocol_departures``):
 
 - **local steps are plain SGD**, y_i <- y_i - eta_l (g_i(y_i) + c - c_i), without clipping or weight
   decay. The method's schedule (``local_schedule``) asks the engines for exactly that, with its own
@@ -39,11 +39,14 @@ s B A for any invertible r x r M. The factor mean drifts away from the balanced 
 every other method (B^T B = A A^T = S / s), so each pair is refactorised to that split, which is an exact
 change of basis of the same product: with B = Q_B R_B, A^T = Q_A R_A and s R_B R_A^T = U S V^T,
     B' = Q_B U sqrt(S / s) = B M,   A' = sqrt(S / s) V^T Q_A^T = M^-1 A,   M = R_B^-1 U sqrt(S / s)
-(``rebalance``). Every variate of the pair is transported with it, c_B' = c_B M and c_A' = M^-1 c_A
-(``transport``): a local step moves the factors by -eta_l (c - c_i) and, to first order, s B A by
--eta_l s (D_B A + B D_A) with D = c - c_i; after the change of basis that effect is unchanged exactly
-(D_B M M^-1 A + B M M^-1 D_A), so the correction acts on the model's function as it did before the
-refactorisation. A pair whose factor mean is rank-deficient (a factor still at 0) is left as it is.
+(``rebalance``). Every variate of the pair is transported with it as a gradient is, c_B' = c_B M^-T and
+c_A' = M^T c_A (``transport``): a variate is a mean local gradient (option II in gradient units), and
+by the chain rule the gradient of any loss at the same point is, in the new factors, dL/dB' =
+dL/dB M^-T and dL/dA' = M^T dL/dA. The data gradient g_i a client computes after the change of basis
+is in those coordinates, so only this rule keeps g_i - c_i + c an estimate of the global gradient
+(the rule of a parameter displacement, c_B M and M^-1 c_A, does not: with exact variates on an
+unbalanced pair the corrected direction is then off by orders of magnitude). A pair whose factor
+mean is rank-deficient (a factor still at 0) is left as it is.
 
 ``train.scaffold.variates: start_gradient`` [ours] keeps the variates in gradient units by another
 route: each participant uploads, before training, the full-data gradient of its class-balanced CE at
@@ -85,13 +88,14 @@ from fedhisto.methods.base import (
     Batch,
     LocalRun,
     LocalSchedule,
-    Method,
     PaperAssumptions,
     RoundUpdate,
     balanced_cross_entropy,
     training_autocast,
 )
-from fedhisto.methods.dp_objective import PrivateObjective, image_ce, objective_refusal
+from fedhisto.methods.dp_objective import PrivateObjective, image_ce
+from fedhisto.methods.objective import Objective
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
 State = dict[str, torch.Tensor]
@@ -160,10 +164,10 @@ def rebalance(a: torch.Tensor, b: torch.Tensor, scaling: float, rtol: float = 1e
 
 
 def transport(variate: State, a_key: str, b_key: str, m: torch.Tensor, m_inv: torch.Tensor) -> None:
-    """A pair's variates into the new basis, in place: c_B' = c_B M, c_A' = M^-1 c_A."""
+    """A pair's variates into the new basis, in place, as gradients move: c_B' = c_B M^-T, c_A' = M^T c_A."""
     dtype = variate[a_key].dtype
-    variate[a_key] = (m_inv.to(variate[a_key].device) @ variate[a_key].double()).to(dtype)
-    variate[b_key] = (variate[b_key].double() @ m.to(variate[b_key].device)).to(dtype)
+    variate[a_key] = (m.T.to(variate[a_key].device) @ variate[a_key].double()).to(dtype)
+    variate[b_key] = (variate[b_key].double() @ m_inv.T.to(variate[b_key].device)).to(dtype)
 
 
 def start_gradient(model: FedHistoModel, data: Split, cfg, device: torch.device) -> State:
@@ -187,11 +191,9 @@ def start_gradient(model: FedHistoModel, data: Split, cfg, device: torch.device)
     return out
 
 
-class Scaffold(Method):
-    """fedavg_peft's model and objective plus SCAFFOLD's control variates (see the module docstring)."""
-
-    assumptions = PaperAssumptions("Karimireddy et al. 2020 (SCAFFOLD, Algorithm 1)", local_optimizer="sgd",
-                                   weighting="uniform", participation="any", clipping=False)
+class ScaffoldObjective(Objective):
+    """fedavg_peft's objective plus the correction c - c_i in every local step, under the method's own local
+    schedule (plain SGD at ``local_lr``; ``scaffold_adamw``: the study's AdamW)."""
 
     def __init__(self, name, cfg, config_key=None, *, local_optimizer: str = "sgd") -> None:
         super().__init__(name, cfg, config_key)
@@ -207,14 +209,6 @@ class Scaffold(Method):
         t = self.cfg.train
         return LocalSchedule("sgd", self.settings.local_lr, 0.0, t.local_epochs, t.single_view_batch, 1, None)
 
-    def weighting(self) -> str:
-        return self.settings.weighting
-
-    def client_weights(self, counts, updates) -> list[float]:
-        if self.settings.weighting == "uniform":
-            return [1.0 / len(counts)] * len(counts)
-        return super().client_weights(counts, updates)
-
     @property
     def pre_uploads(self) -> bool:  # start_gradient: every participant uploads g_i(x) before training
         return self.settings.variates == "start_gradient"
@@ -225,19 +219,6 @@ class Scaffold(Method):
             return None
         model.load_trainable_state(start_state)
         return start_gradient(model, data, self.cfg, device)
-
-    def configure_train(self, round_idx, server_state, uploads):
-        self._participants = sorted(uploads)  # N of the server update: everyone asked this round
-        if self.pre_uploads:  # c = (1/N) sum g_i(x) over this round's uploads; each gets c - c_i
-            names = sorted(uploads)
-            c = {k: sum((uploads[n][k].double() for n in names), torch.zeros_like(uploads[names[0]][k].double()))
-                 / len(names) for k in uploads[names[0]]}
-            return {n: {"correction": {k: (c[k] - uploads[n][k].double()).to(uploads[n][k].dtype) for k in c}}
-                    for n in names}
-        if not server_state:
-            return {n: {} for n in uploads}  # round 1: c = c_i = 0, no correction to send
-        c, clients = server_state["c"], server_state["clients"]
-        return {n: {"control": c, "client_control": clients.get(n, _zeros_like(c))} for n in uploads}
 
     @contextmanager
     def local_session(self, run: LocalRun) -> Iterator[None]:
@@ -270,6 +251,53 @@ class Scaffold(Method):
             return {"scaffold": torch.zeros((), device=run.device)}
         return {"scaffold": self.settings.correction_scale * self._group_scale(run, batch) * drift}
 
+    # Under DP-SGD the correction term has no data: its gradient joins every step's noisy gradient
+    # after the noise, once per optimiser step, whatever the local optimiser; the variates are computed
+    # from the returned (noised) states and the public step count, post-processing.
+    def dp_refusal(self) -> str | None:
+        if self.pre_uploads:
+            return ("train.scaffold.variates: start_gradient uploads each site's full-data gradient before training, "
+                    "un-noised; use option_ii under DP")
+        return super().dp_refusal()
+
+    def private_objective(self, run: LocalRun) -> PrivateObjective:
+        def correction_term() -> torch.Tensor | None:
+            drift = self._drift(run)
+            return None if drift is None else self.settings.correction_scale * drift
+
+        return PrivateObjective(image_ce(run), correction_term)
+
+
+class Scaffold(Strategy):
+    """fedavg_peft's model plus SCAFFOLD's control variates, kept and updated by the server (see the module
+    docstring); its clients are ``ScaffoldObjective``."""
+
+    objective_class = ScaffoldObjective
+
+    assumptions = PaperAssumptions("Karimireddy et al. 2020 (SCAFFOLD, Algorithm 1)", local_optimizer="sgd",
+                                   weighting="uniform", participation="any", clipping=False)
+
+    def weighting(self) -> str:
+        return self.settings.weighting
+
+    def client_weights(self, counts, updates) -> list[float]:
+        if self.settings.weighting == "uniform":
+            return [1.0 / len(counts)] * len(counts)
+        return super().client_weights(counts, updates)
+
+    def configure_train(self, round_idx, server_state, uploads):
+        self._participants = sorted(uploads)  # N of the server update: everyone asked this round
+        if self.pre_uploads:  # c = (1/N) sum g_i(x) over this round's uploads; each gets c - c_i
+            names = sorted(uploads)
+            c = {k: sum((uploads[n][k].double() for n in names), torch.zeros_like(uploads[names[0]][k].double()))
+                 / len(names) for k in uploads[names[0]]}
+            return {n: {"correction": {k: (c[k] - uploads[n][k].double()).to(uploads[n][k].dtype) for k in c}}
+                    for n in names}
+        if not server_state:
+            return {n: {} for n in uploads}  # round 1: c = c_i = 0, no correction to send
+        c, clients = server_state["c"], server_state["clients"]
+        return {n: {"control": c, "client_control": clients.get(n, _zeros_like(c))} for n in uploads}
+
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
         returned = sorted(update.states)
         start = update.starts[returned[0]]
@@ -278,7 +306,7 @@ class Scaffold(Method):
             if bad:
                 raise ValueError(f"scaffold: participant {n}'s state after round {update.round_idx + 1} is not finite "
                                  f"({bad[0]}, {len(bad)} tensor(s)): its SGD local steps diverged; lower "
-                                 f"train.scaffold.local_lr ({self.local_schedule(update.round_idx).lr:g})")
+                                 f"train.scaffold.local_lr ({self.objective.local_schedule(update.round_idx).lr:g})")
         weights = [update.weights[n] for n in returned]
         if abs(sum(weights) - 1.0) > 1e-6:
             raise ValueError(f"scaffold: aggregation weights must sum to 1, got {sum(weights)}")
@@ -289,7 +317,7 @@ class Scaffold(Method):
         device = next(iter(start.values())).device  # a resumed checkpoint holds the variates on the host
         c = {k: v.to(device) for k, v in state["c"].items()} if state.get("c") else _zeros_like(start)
         clients = {n: {k: v.to(device) for k, v in ci.items()} for n, ci in state.get("clients", {}).items()}
-        lr = self.local_schedule(update.round_idx).lr
+        lr = self.objective.local_schedule(update.round_idx).lr
         old, new = {}, {}
         for n in returned:
             if update.steps[n] < 1:
@@ -317,22 +345,6 @@ class Scaffold(Method):
             for v in variates:
                 transport(v, a_key, b_key, m, m_inv)
         return out
-
-    # Under DP-SGD the correction term has no data: its gradient joins every step's noisy gradient
-    # after the noise, once per optimiser step, whatever the local optimiser; the variates are computed
-    # from the returned (noised) states and the public step count, post-processing.
-    def dp_refusal(self) -> str | None:
-        if self.pre_uploads:
-            return ("train.scaffold.variates: start_gradient uploads each site's full-data gradient before training, "
-                    "un-noised; use option_ii under DP")
-        return objective_refusal(self.cfg)
-
-    def private_objective(self, run: LocalRun) -> PrivateObjective:
-        def correction_term() -> torch.Tensor | None:
-            drift = self._drift(run)
-            return None if drift is None else self.settings.correction_scale * drift
-
-        return PrivateObjective(image_ce(run), correction_term)
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"control_variates": 2 * len(availability) * payload_bytes}

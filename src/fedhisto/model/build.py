@@ -32,7 +32,7 @@ def set_determinism() -> None:
 
 
 def build_model(cfg: Config, method: Any, seed: int, encoder_dir: str | None, encoder: Any = None) -> FedHistoModel:
-    """``method``: the run's ``methods.base.Method`` (its ``film`` decides the FiLM module). ``encoder``:
+    """``method``: the run's method (``methods.strategy.Strategy``: its ``film`` decides the FiLM module). ``encoder``:
     an already loaded ``FrozenEncoder`` of this config and folder (a site worker's copy, loaded once per
     node) used instead of loading it again; LoRA is injected into it, so pass a copy."""
     torch.manual_seed(0)  # a random (non-pretrained) encoder must be identical across runs

@@ -23,7 +23,7 @@ from fedhisto.config.study import Config
 from fedhisto.data.splits import load_partitions
 from fedhisto.infra.provenance import provenance_block, runtime_block, write_sidecar
 from fedhisto.methods import build_method
-from fedhisto.methods.base import Method
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.build import build_model, pick_device
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.stats.prediction_files import MEMBER_COLUMN, read_predictions, write_predictions
@@ -55,7 +55,7 @@ def load_eligible_checkpoint(train_dir: Path, dataset_identity: str) -> tuple[di
 
 
 def load_run(method: str, seed: int, train_dir: Path, manifest_json: str | Path, cfg: Config,
-             encoder_dir: str | None) -> tuple[Method, FedHistoModel, dict, str, torch.device]:
+             encoder_dir: str | None) -> tuple[Strategy, FedHistoModel, dict, str, torch.device]:
     """The run's method, its model on the device, the best state of each member, and the run status."""
     identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
     ckpt, status = load_eligible_checkpoint(train_dir, identity)

@@ -3,8 +3,13 @@
 For a logical batch ``B`` drawn by Poisson sampling (each unit independently with probability q):
 
     g_u       = grad_theta l_u(theta)                         per-unit gradient (``per_sample``)
-    g~_u      = g_u * min(1, C / ||g_u||_2)                   clipped to norm C over ALL trainable tensors
+    g~_u      = g_u * min(1, C / ||g_u||_2)                   clipped to norm C over ALL declared tensors
     g^        = (sum_{u in B} g~_u + N(0, sigma^2 C^2 I)) / (q N)
+
+over exactly the tensors the method declares it trains (``per_sample.Trained``), with the noise
+projected onto a declared mask (a structurally zero block of a rank-r_k site stays exactly 0;
+projecting a Gaussian onto a fixed subspace is post-processing, and the clipped per-unit gradients
+are 0 there already, so the sensitivity C and the accounting are unchanged).
 
 ``q N`` is the EXPECTED logical batch size, a public constant, so the division is post-processing
 and the step is exactly the sampled Gaussian mechanism ``privacy.rdp`` accounts for (dividing by
@@ -146,14 +151,19 @@ class NoisyGradientSum:
         self.clipped += int((norms > self.clip_norm).sum())
         return norms
 
-    def release(self, like: Mapping[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """(sum + N(0, sigma^2 C^2)) / (q N) for every tensor of ``like`` (the parameters; zeros where no
-        unit was sampled), then resets for the next logical batch."""
+    def release(self, like: Mapping[str, torch.Tensor], generator: torch.Generator,
+                masks: Mapping[str, torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+        """(sum + N(0, sigma^2 C^2)) / (q N) for every tensor of ``like`` (the declared parameters; zeros
+        where no unit was sampled), the noise projected onto ``masks[name]`` where one is declared; then
+        resets for the next logical batch."""
         std = self.noise_multiplier * self.clip_norm
         out = {}
         for name, p in like.items():
             base = self.total.get(name, torch.zeros_like(p))
             noise = torch.randn(p.shape, generator=generator, device=p.device, dtype=p.dtype) * std
+            mask = masks.get(name) if masks is not None else None
+            if mask is not None:  # drawn for the whole tensor first, so the stream of the others is unchanged
+                noise = noise * mask.to(p.device, p.dtype)
             out[name] = (base.to(p.dtype) + noise) / self.expected_units
         self.total, self.units, self.clipped = {}, 0, 0
         return out

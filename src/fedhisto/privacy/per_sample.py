@@ -7,8 +7,11 @@ For a unit u with images I_u, each image i with its views x_i = (x_i1, ..., x_iV
 where ``l`` (a :data:`UnitLoss`) is the method's objective of ONE image: every view's terms and the
 pair terms between its views together, so an image's two stain views are one sample and are clipped
 together. ``vmap`` maps ``grad`` of that per-image loss over the images; a family's per-unit gradient
-is the sum of its images' gradients (``index_add``). Only the trainable tensors (LoRA, adapter,
-FiLM, classifier) are differentiated; the frozen encoder weights are constants of the call.
+is the sum of its images' gradients (``index_add``). Exactly the tensors the method declares it trains
+(:data:`Trained`: their names, and a 0/1 mask where a block is structurally zero) are differentiated;
+everything else (the frozen encoder, FFA-LoRA's frozen A) is a constant of the call and gets no
+gradient. A masked block's per-image gradient is projected to 0, so a clipping norm is over the
+declared entries alone.
 
 Why ``torch.func`` and not Opacus: it differentiates the real forward (peft's injected LoRA layers,
 the transformers attention, GELU, LayerNorm, FiLM) without per-layer hooks, needs no module
@@ -30,7 +33,7 @@ transformers' eager attention, the same function written with batched matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Literal
 
@@ -41,11 +44,30 @@ from torch.func import functional_call, grad, vmap
 #: The objective of one image from its views' outputs: (logits (V, C), embeddings (V, D), label ()) -> scalar.
 UnitLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Dropout = Literal["per_sample", "off"]
+#: What a method declares it trains, in the model's parameter order: name -> a 0/1 mask of the tensor's
+#: shape (1 where an entry trains, 0 on a structurally zero block), or None where every entry trains.
+Trained = Mapping[str, torch.Tensor | None]
 
 
-def trainable_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors differentiated per sample: exactly ``FedHistoModel.trainable_state``'s names, detached."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+def declared_parameters(model: nn.Module, trained: Trained) -> dict[str, torch.Tensor]:
+    """The declared tensors of ``model``, detached, in the declaration's order (an unknown name is refused)."""
+    own = dict(model.named_parameters())
+    unknown = [n for n in trained if n not in own]
+    if unknown:
+        raise ValueError(f"declared trained tensors that the model does not have: {unknown[:3]}")
+    return {n: own[n].detach() for n in trained}
+
+
+def masked(grads: Mapping[str, torch.Tensor], trained: Trained, per_row: bool = False) -> dict[str, torch.Tensor]:
+    """Each gradient projected onto its declared entries (``per_row``: dim 0 indexes images or units)."""
+    out = {}
+    for name, g in grads.items():
+        mask = trained[name]
+        if mask is not None:
+            mask = mask.to(g.device, g.dtype)
+            g = g * (mask[None] if per_row else mask)
+        out[name] = g
+    return out
 
 
 @contextmanager
@@ -83,9 +105,10 @@ def _no_batch_norm(model: nn.Module) -> None:
 
 
 def per_image_gradients(model: nn.Module, unit_loss: UnitLoss, views: torch.Tensor, labels: torch.Tensor,
-                        descriptor: torch.Tensor | None = None, *, dropout: Dropout = "per_sample",
+                        descriptor: torch.Tensor | None = None, *, trained: Trained, dropout: Dropout = "per_sample",
                         chunk_size: int | None = None) -> dict[str, torch.Tensor]:
-    """grad_theta l_i for every image i: ``views`` (B, V, 3, H, W), ``labels`` (B,); returns {name: (B, *shape)}.
+    """grad_theta l_i for every image i over the ``trained`` tensors: ``views`` (B, V, 3, H, W), ``labels`` (B,);
+    returns {name: (B, *shape)}, each projected onto its declared entries.
 
     ``model`` is called as ``model(pixels (V, 3, H, W), descriptor) -> (logits, z)`` (``FedHistoModel``);
     ``chunk_size`` bounds how many images ``vmap`` differentiates at once (memory), not the result."""
@@ -96,7 +119,7 @@ def per_image_gradients(model: nn.Module, unit_loss: UnitLoss, views: torch.Tens
     if dropout not in ("per_sample", "off"):
         raise ValueError(f"privacy.dropout must be 'per_sample' or 'off', got {dropout!r}")
     _no_batch_norm(model)
-    params = trainable_parameters(model)
+    params = declared_parameters(model, trained)
 
     def image_loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits, z = functional_call(model, p, (x, descriptor))
@@ -105,7 +128,7 @@ def per_image_gradients(model: nn.Module, unit_loss: UnitLoss, views: torch.Tens
     randomness = "different" if dropout == "per_sample" else "error"
     per_image = vmap(grad(image_loss), in_dims=(None, 0, 0), randomness=randomness, chunk_size=chunk_size)
     with per_sample_attention(model), (dropout_disabled(model) if dropout == "off" else _nothing()):
-        return per_image(params, views, labels)
+        return masked(per_image(params, views, labels), trained, per_row=True)
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -133,9 +156,10 @@ def sum_by_unit(per_image: dict[str, torch.Tensor], unit_index: torch.Tensor, n_
 
 def per_unit_gradients(model: nn.Module, unit_loss: UnitLoss, views: torch.Tensor, labels: torch.Tensor,
                        unit_index: torch.Tensor, n_units: int, descriptor: torch.Tensor | None = None, *,
-                       dropout: Dropout = "per_sample", chunk_size: int | None = None) -> dict[str, torch.Tensor]:
+                       trained: Trained, dropout: Dropout = "per_sample",
+                       chunk_size: int | None = None) -> dict[str, torch.Tensor]:
     """Per-unit gradients of a micro-batch of whole units (``dpsgd.pack_micro_batches``): per-image
     gradients summed over each unit's images. With ``privacy.unit: image`` pass ``arange(B)``."""
-    per_image = per_image_gradients(model, unit_loss, views, labels, descriptor, dropout=dropout,
+    per_image = per_image_gradients(model, unit_loss, views, labels, descriptor, trained=trained, dropout=dropout,
                                     chunk_size=chunk_size)
     return sum_by_unit(per_image, unit_index, n_units)

@@ -29,7 +29,7 @@ from fedhisto.privacy.dpsgd import (
     poisson_sample,
     steps_per_epoch,
 )
-from fedhisto.privacy.per_sample import UnitLoss
+from fedhisto.privacy.per_sample import Trained, UnitLoss
 from fedhisto.privacy.releases import releases_of
 from fedhisto.privacy.step import Fetch, logical_step, set_gradients
 
@@ -66,10 +66,11 @@ class DPSite:
         return self.local_epochs * steps_per_epoch(self.privacy.sample_rate)
 
     def train_round(self, round_idx: int, model: nn.Module, optimizer: torch.optim.Optimizer, unit_loss: UnitLoss,
-                    fetch: Fetch, descriptor: torch.Tensor | None = None,
+                    fetch: Fetch, trained: Trained, descriptor: torch.Tensor | None = None,
                     data_free_gradient: DataFreeGradient | None = None, device: torch.device | str = "cpu",
                     chunk_size: int | None = None, on_step: Callable[[int], None] | None = None) -> float:
-        """The round's DP-SGD steps; returns the site's epsilon after it. ``data_free_gradient`` adds the
+        """The round's DP-SGD steps over the ``trained`` tensors (the method's declaration: only they are
+        differentiated, clipped, noised and stepped); returns the site's epsilon after it. ``data_free_gradient`` adds the
         gradient of a term without data (a proximal or control-variate term, the method's
         ``private_objective``) after the noise; ``on_step(s)`` is told
         the step index before step s's batch is fetched (the engine seeds that step's views with it)."""
@@ -83,13 +84,13 @@ class DPSite:
             if on_step is not None:
                 on_step(step)
             selected = poisson_sample(self.units.n_units, p.sample_rate, sampling)
-            grads = logical_step(model, unit_loss, self.units, selected, fetch, acc, generator,
+            grads = logical_step(model, unit_loss, self.units, selected, fetch, acc, generator, trained=trained,
                                  micro_batch=p.micro_batch, descriptor=descriptor, dropout=p.dropout,
                                  chunk_size=chunk_size)
             if data_free_gradient is not None:
                 extra = data_free_gradient()
                 grads = {n: g + extra[n].to(g.dtype) if n in extra else g for n, g in grads.items()}
-            set_gradients(model, grads)
+            set_gradients(model, grads, trained)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return self.ledger.record_round(round_idx, releases)

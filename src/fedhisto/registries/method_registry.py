@@ -1,13 +1,14 @@
-"""The method registry, in the spirit of peft's ``register_peft_method``: a name, the class that
-implements the method's hooks, the options it is built with, its settings block and its default
-comparison; and the built-in registrations (one line per method, below).
+"""The method registry, in the spirit of peft's ``register_peft_method``: a name, the method's strategy
+class (the server half, which names its client objective: both are built from one registration), the
+options they are built with, its settings block and its default comparison; and the built-in
+registrations (one line per method, below).
 
 Nothing here imports torch or a method: a class is given as ``"module:Class"`` and imported only
 when a run builds the method, and a settings block is validated against the package's stored JSON
 schema of its class (``method_settings.schema.json``, written by ``fedhisto schema --write``), so
 parsing the Snakefile (method names, wildcard constraints, config validation, run identities) stays
 fast. A job that builds the method validates its block once more with the real class
-(``Method.settings``).
+(``settings`` of either half).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def _resolve(target: Any) -> Any:
 @dataclass(frozen=True)
 class Registration:
     name: str
-    target: Any                      # a Method subclass or "package.module:Class"
+    target: Any                      # a Strategy subclass (naming its Objective) or "package.module:Class"
     config_key: str | None = None    # train.<config_key>: the method family's settings (run identity)
-    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the class
+    options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the strategy and objective
     settings: Any = None             # the settings class of train.<config_key> (or its import path)
     comparison: str | None = None    # a bootstrap comparison past_v2 vs this method, e.g. "v2_vs_fedstain"
 
@@ -60,11 +61,12 @@ _REGISTRY: dict[str, Registration] = {}
 
 def register(name: str, target: Any, config_key: str | None = None, *, settings: Any = None,
              comparison: str | None = None, replace: bool = False, **options: Any) -> Registration:
-    """Add a method. ``target``: a :class:`fedhisto.methods.base.Method` subclass or its import path;
+    """Add a method. ``target``: a :class:`fedhisto.methods.strategy.Strategy` subclass (its ``objective_class``
+    is the client half) or its import path;
     ``config_key``: the ``train.<key>`` block of the method's settings (it enters the run identity of
     this method only); ``settings``: the pydantic class of that block (or its import path, kept in the
     package's generated ``method_settings.schema.json`` so the config never imports the method); ``options``:
-    keyword arguments the class is constructed with (e.g. a family's switches); ``comparison``: the name
+    keyword arguments each half is constructed with, where its constructor names them (e.g. a family's switches); ``comparison``: the name
     of a default bootstrap comparison of past_v2 against this method (Tables 5-6)."""
     if not _NAME.match(name):
         raise ValueError(f"method name {name!r} must be lower-case letters, digits and underscores")

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from fedhisto import CLASSES
-from fedhisto.config.study import BootstrapConfig
+from fedhisto.config.study import BootstrapConfig, Config
 from fedhisto.infra.atomic import write_csv, write_text
 from fedhisto.infra.provenance import provenance_block, write_sidecar
 from fedhisto.manifest.targets import write_table2
@@ -84,6 +84,13 @@ def method_notes(caveats: dict[str, list[str]], methods) -> list[str]:
     """A CAVEAT note per departure of a method in the table."""
     return [f"CAVEAT: {line} (not a finding about the method as its paper runs it)"
             for m in sorted(set(methods)) for line in caveats.get(m, [])]
+
+
+def run_report_of_config(cfg: Config, *args, **kwargs) -> None:
+    """:func:`run_report` with the run's caveats read off its config (:mod:`fedhisto.caveats`)."""
+    from fedhisto.caveats import method_caveats, run_caveats
+
+    run_report(*args, caveats=run_caveats(cfg), method_caveats=method_caveats(cfg), **kwargs)
 
 
 def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], communication_csv: str | Path,

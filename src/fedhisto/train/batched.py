@@ -10,7 +10,7 @@ micro-batch step runs ONE forward/backward of the frozen encoder over all active
 - residual adapter, FiLM and classifier: the model's own modules (``FedHistoModel.head``) called with
   each group's member tensors (``member_heads``, by ``torch.func.functional_call``);
 - feature restyling (a method's MixStyle) is applied to each member's rows with that member's random
-  stream (``Method.restyle``);
+  stream (``Objective.restyle``);
 - loss terms per member come from the method's own ``batch_inputs`` / ``terms_from_outputs``, so
   the objective is the sequential one; the members' losses are summed (their gradients do not mix);
 - ``StackedAdamW``: torch.optim.AdamW's update per member, with per-member step counts and a mask of
@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from fedhisto.config.study import Config
 from fedhisto.fedmath.lora_aggregators.fold import split_folded
-from fedhisto.methods.base import Batch, Method, restyle_views
+from fedhisto.methods.base import Batch, restyle_views
+from fedhisto.methods.objective import Objective
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.optimizer_state import OptimizerState, check_names, keeps_state
 from fedhisto.train.plan import (
@@ -238,7 +239,7 @@ def lora_members(model: FedHistoModel, params: dict[str, torch.Tensor], layout: 
             del module.forward
 
 
-def member_restyle(model: FedHistoModel, method: Method, layout: Layout):
+def member_restyle(model: FedHistoModel, method: Objective, layout: Layout):
     """``methods.base.restyle_views`` over the layout's (member, view) row groups, each with its spec."""
     return restyle_views(model, method, lambda: [(s, e, spec) for (_m, s, e), spec
                                                  in zip(layout.spans(), layout.specs, strict=True)])
@@ -272,7 +273,7 @@ def member_heads(model: FedHistoModel, params: dict[str, torch.Tensor], layout: 
 
 
 @contextmanager
-def member_pathway(model: FedHistoModel, method: Method, params: dict[str, torch.Tensor],
+def member_pathway(model: FedHistoModel, method: Objective, params: dict[str, torch.Tensor],
                    layout: Layout) -> Iterator[None]:
     """Both patches of the encoder (member LoRA, member restyling); enter once around many passes
     (e.g. under torch.compile) and call ``stacked_forward(..., patched=True)`` inside."""
@@ -280,7 +281,7 @@ def member_pathway(model: FedHistoModel, method: Method, params: dict[str, torch
         yield
 
 
-def stacked_forward(model: FedHistoModel, method: Method, params: dict[str, torch.Tensor], layout: Layout,
+def stacked_forward(model: FedHistoModel, method: Objective, params: dict[str, torch.Tensor], layout: Layout,
                     pixels: torch.Tensor, descriptors: torch.Tensor | None,
                     patched: bool = False, embed: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One encoder pass over every group's rows with its member's LoRA, then the member heads.
@@ -325,9 +326,10 @@ def stack_states(states: Sequence[dict[str, torch.Tensor]], device: torch.device
             for n in states[0]}
 
 
-def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[MemberJob], cfg: Config,
+def batched_local_train(method: Objective, model: FedHistoModel, jobs: Sequence[MemberJob], cfg: Config,
                         device: torch.device) -> list[LocalResult]:
-    """``local_train`` for every job at once; returns one ``LocalResult`` per job, in order."""
+    """``local_train`` for every job at once (``method``: the client objective); returns one ``LocalResult`` per
+    job, in order."""
     if not jobs:
         return []
     plan = method.local_schedule(jobs[0].round_idx)
@@ -343,9 +345,17 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                          "different folded base deltas; use train.engine: sequential")
     model.fold_base(starts[0][1])
     params = stack_states([s for s, _ in starts], device)
+    declared = [method.trained(j.start_state, j.payload) for j in jobs]  # what each member trains (declared)
+    if unknown := sorted(set(declared[0]) - set(params)):
+        raise ValueError(f"{method.name}: declares trained tensors that are not in the start state: {unknown[:3]}")
+    if any(set(d) != set(declared[0]) for d in declared[1:]):
+        raise ValueError(f"{method.name}: the batched engine steps every member's tensors together, but the members "
+                         "declare different trained tensors; use train.engine: sequential")
     for n, p in params.items():  # a tensor the method does not train (a frozen LoRA factor): no gradient, no step
-        p.requires_grad_(method.trains(n))
+        p.requires_grad_(n in declared[0])
     trained = {n: p for n, p in params.items() if p.requires_grad}
+    masks = {n: torch.stack([d[n].to(device, torch.float32) if d[n] is not None else torch.ones_like(trained[n][0])
+                             for d in declared]) for n in trained if any(d[n] is not None for d in declared)}
     opt = STACKED_OPTIMIZERS["adamw" if plan.optimizer == "adam" else plan.optimizer](trained, plan.lr, plan.weight_decay)
     kept = keeps_state(cfg)
     if any(j.optimizer_state is not None for j in jobs):
@@ -402,6 +412,8 @@ def batched_local_train(method: Method, model: FedHistoModel, jobs: Sequence[Mem
                 due = [m in active and steps_now(b, len(batches[m]), plan.accumulation) for m in range(n_members)]
                 if any(due):
                     mask = torch.tensor(due, device=device)
+                    for n, m in masks.items():  # a member's structurally zero block (its declared mask) stays 0
+                        trained[n].grad.mul_(m)
                     if plan.grad_clip is not None:  # the method's schedule says (a paper's unclipped SGD: none)
                         clip_per_member(trained, plan.grad_clip, mask)
                     opt.step(mask)

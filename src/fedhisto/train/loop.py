@@ -1,7 +1,7 @@
 """The one round driver: hook order, aggregation, early stopping, best state, checkpoints and the
 unavailability rules, whoever the participants are and however they are reached.
 
-Round t, in the order of the method hooks (``methods.base``): participants upload what the server
+Round t, in the order of the method's strategy hooks (``methods.base``): participants upload what the server
 needs to configure the round (a method's pre-round statistics), the server sends each its start state and
 payload, each trains, the server weights what came back and aggregates (``aggregate_train``, which
 may also update the method's server state: control variates, a server optimiser's moments), then
@@ -40,7 +40,8 @@ from fedhisto.config.study import Config
 from fedhisto.fedmath.aggregate import flat_update
 from fedhisto.infra.atomic import atomic_path
 from fedhisto.infra.progress import Progress
-from fedhisto.methods.base import Method, RoundUpdate
+from fedhisto.methods.base import RoundUpdate
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.train.local import LocalResult
 
@@ -99,7 +100,7 @@ def load_checkpoint(path: Path, identity: dict) -> dict | None:
     return ckpt
 
 
-def fresh_checkpoint(model: FedHistoModel, method: Method, participants: list[str], identity: dict) -> dict:
+def fresh_checkpoint(model: FedHistoModel, method: Strategy, participants: list[str], identity: dict) -> dict:
     state = model.trainable_state()
     members = {m: state for m in method.members(sorted(participants))}
     return {"format": CHECKPOINT_FORMAT, "identity": identity, "round": 0, "members": members,
@@ -168,7 +169,7 @@ class Participants(Protocol):
         """What this transport adds to the round's history row (e.g. message timings)."""
 
 
-def run_round(method: Method, parts: Participants, ckpt: dict, r: int, model: FedHistoModel) -> tuple[dict, dict]:
+def run_round(method: Strategy, parts: Participants, ckpt: dict, r: int, model: FedHistoModel) -> tuple[dict, dict]:
     """One round; updates ``ckpt`` (members, server state) and returns (history row, member metrics)."""
     names, members = parts.names, ckpt["members"]
     unavailable: dict[str, str] = {}
@@ -210,7 +211,7 @@ def run_round(method: Method, parts: Participants, ckpt: dict, r: int, model: Fe
     return row, member_metrics
 
 
-def run_rounds(method: Method, parts: Participants, model: FedHistoModel, cfg: Config, identity: dict,
+def run_rounds(method: Strategy, parts: Participants, model: FedHistoModel, cfg: Config, identity: dict,
                checkpoint: Path, after_round: Callable[[dict], None] | None = None,
                stop_after_round: int | None = None) -> dict:
     """Rounds until early stopping or ``max_rounds``, resuming from ``checkpoint`` when its identity

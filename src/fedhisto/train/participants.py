@@ -19,7 +19,8 @@ import torch
 
 from fedhisto.config.study import Config
 from fedhisto.data.splits import Split
-from fedhisto.methods.base import GLOBAL, Method, named_rng
+from fedhisto.methods.base import GLOBAL, named_rng
+from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.stats.scores import macro_f1 as macro_f1_of
 from fedhisto.train.inference import predict
@@ -50,7 +51,7 @@ class InProcess:
     participant's local epochs in one encoder pass (``train.batched``)."""
 
     model: FedHistoModel
-    method: Method
+    method: Strategy                               # the server half; its client half is method.objective
     clients: dict[str, Split]                      # participants of a round (method.participants)
     validation: Split
     descriptors: dict[str, torch.Tensor | None]    # per participant, and "global" for validation/test/external
@@ -122,7 +123,7 @@ class InProcess:
 
     def pre_upload(self, r, starts):
         k = {n: self.names.index(n) for n in starts}
-        return self._each(r, starts, lambda n: self.method.upload_before_training(
+        return self._each(r, starts, lambda n: self.method.objective.upload_before_training(
             self.model, starts[n], self.clients[n], named_rng("style_sample", self.seed, r, k[n]), self.device),
             inject=False)
 
@@ -135,7 +136,7 @@ class InProcess:
             return self._keep(got), lost
         if not self.batched:
             got, lost = self._each(r, starts, lambda n: local_train(
-                self.method, self.model, starts[n], self.clients[n], self.descriptors[n], payloads[n], self.cfg,
+                self.method.objective, self.model, starts[n], self.clients[n], self.descriptors[n], payloads[n], self.cfg,
                 self.seed, r, k[n], self.device, self._kept(n)))
             return self._keep(got), lost
         from fedhisto.train.batched import batched_local_train
@@ -147,7 +148,7 @@ class InProcess:
             return {}, lost
         jobs = [MemberJob(starts[n], self.clients[n], self.descriptors[n], payloads[n], self.seed, r, k[n],
                           self._kept(n)) for n in order]
-        out = self._step(",".join(order), r, lambda: batched_local_train(self.method, self.model, jobs, self.cfg,
+        out = self._step(",".join(order), r, lambda: batched_local_train(self.method.objective, self.model, jobs, self.cfg,
                                                                          self.device), inject=False)
         return self._keep(dict(zip(order, out, strict=True))), lost
 
@@ -156,7 +157,8 @@ class InProcess:
             self.model.load_trainable_state(self.method.start_state(members, n))
             if self.private is not None:  # the prototype upload through the Gaussian mechanism
                 return self.private.upload_prototypes(n, self.model, self.descriptors[n], r, self.device)
-            return self.method.upload_after_aggregation(self.model, self.clients[n], self.descriptors[n], self.device)
+            return self.method.objective.upload_after_aggregation(self.model, self.clients[n], self.descriptors[n],
+                                                                  self.device)
 
         after, lost = self._each(r, uploaders, upload, inject=False)
         metrics = validate_members(self.model, self.validation, self.descriptors[GLOBAL], self.cfg, self.device,

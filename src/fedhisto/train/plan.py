@@ -2,13 +2,15 @@
 
 The sequential engine (``train.local``) walks one participant's plan; the batched engine
 (``train.batched``) walks every member's plan in lock step. What a plan fixes is the same for both:
-the round's torch seed, the ``LocalRun`` the method's batch hooks see, the micro-batch order of each
+the round's torch seed, the ``LocalRun`` the objective's batch hooks see, the micro-batch order of each
 epoch (a named random stream of (seed, round, participant, epoch)), the accumulation boundary at
 which the optimiser steps, and the per-micro-batch means of the loss terms that go into the history.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,8 @@ import torch
 from fedhisto.config.study import Config
 from fedhisto.data.splits import Split
 from fedhisto.fedmath.losses import class_balanced_weights
-from fedhisto.methods.base import Batch, LocalRun, LocalSchedule, Method, named_rng
+from fedhisto.methods.base import Batch, LocalRun, LocalSchedule, named_rng
+from fedhisto.methods.objective import Objective
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -53,7 +56,7 @@ def seed_round(job: MemberJob) -> None:
 
 def local_run(model: FedHistoModel, job: MemberJob, cfg: Config, plan: LocalSchedule, device: torch.device,
               params: dict[str, torch.Tensor]) -> LocalRun:
-    """What the method's batch hooks see of one participant's round."""
+    """What the objective's batch hooks see of one participant's round."""
     t = cfg.train
     return LocalRun(model=model, data=job.data,
                     descriptor=job.descriptor.to(device)[None] if job.descriptor is not None else None,
@@ -62,6 +65,34 @@ def local_run(model: FedHistoModel, job: MemberJob, cfg: Config, plan: LocalSche
                                                                         t.readings.ce_weight_normalisation).to(device),
                     nominal_batch=plan.micro_batch, cfg=cfg, seed=job.seed, round_idx=job.round_idx,
                     client_idx=job.client_idx, device=device)
+
+
+def declared_trained(objective: Objective, model: FedHistoModel, job: MemberJob
+                     ) -> tuple[dict[str, torch.nn.Parameter], dict[str, torch.Tensor | None]]:
+    """The job's declaration (``Objective.trained``) checked against the model: the declared parameters in
+    the model's order, and the declaration in that order (name -> mask or None)."""
+    decl = objective.trained(job.start_state, job.payload)
+    own = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    unknown = sorted(set(decl) - set(own))
+    if unknown:
+        raise ValueError(f"{objective.name}: declares trained tensors that are not trainable tensors of the model: "
+                         f"{unknown[:3]}")
+    params = {n: p for n, p in own.items() if n in decl}
+    return params, {n: decl[n] for n in params}
+
+
+@contextmanager
+def train_only(model: FedHistoModel, params: dict[str, torch.nn.Parameter]) -> Iterator[None]:
+    """Within: the model's trainable tensors outside ``params`` take no gradient (FFA-LoRA's frozen A is
+    never differentiated); restored after, so the trainable state keeps its names."""
+    others = [p for n, p in model.named_parameters() if p.requires_grad and n not in params]
+    for p in others:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in others:
+            p.requires_grad_(True)
 
 
 def epoch_batches(job: MemberJob, epoch: int, micro: int) -> list[np.ndarray]:
@@ -99,10 +130,10 @@ class LossMeans:
         return {k: float(v) / max(self.count, 1) for k, v in self.sums.items()}
 
 
-def check_optimizer(method: Method, plan: LocalSchedule, supported: tuple[str, ...], engine: str) -> None:
+def check_optimizer(objective: Objective, plan: LocalSchedule, supported: tuple[str, ...], engine: str) -> None:
     # Adam without weight decay is AdamW without weight decay: torch's two updates are the same formula
     if plan.optimizer == "adam" and plan.weight_decay == 0 and "adamw" in supported:
         return
     if plan.optimizer not in supported:
-        raise NotImplementedError(f"{method.name}: the {engine} engine implements {', '.join(supported)}, this "
+        raise NotImplementedError(f"{objective.name}: the {engine} engine implements {', '.join(supported)}, this "
                                   f"schedule asks for {plan.optimizer!r}")

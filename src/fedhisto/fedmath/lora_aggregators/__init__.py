@@ -15,7 +15,7 @@ Registered: ``delta_svd`` (the study's, ``fedmath.delta_svd``), ``factor_mean``,
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +105,19 @@ def check_weights(states: Sequence[State], weights: Sequence[float]) -> None:
     keys = set(states[0])
     if any(set(s) != keys for s in states[1:]):
         raise ValueError("client states carry different tensors")
+
+
+def check_frozen(agg: Aggregator, states: Mapping[str, State], starts: Mapping[str, State]) -> None:
+    """An aggregator that keeps a factor frozen (FFA-LoRA's A): every site's returned factor must be bitwise
+    the one it was sent (the round's start), not merely equal to the other sites' (a change made
+    identically everywhere is still a trained factor)."""
+    if not agg.frozen_factor:
+        return
+    for name in sorted(states):
+        for key, t in states[name].items():
+            if f".{agg.frozen_factor}." in key and not torch.equal(t, starts[name][key].to(t.device)):
+                raise ValueError(f"{agg.name}: client {name}'s {key} differs from the broadcast A_0 (the frozen factor "
+                                 "must come back as it was sent: a site trained it)")
 
 
 def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:

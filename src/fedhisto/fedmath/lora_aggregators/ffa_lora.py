@@ -6,13 +6,12 @@ frozen at its shared random initialisation A_0 and only B is trained and average
 A never travels (every site builds A_0 from the run's seed, as the model's initialisation), so the
 LoRA traffic is B's alone, half of it at out = in. Designed for DP-SGD: the noise is added to B's
 gradient only, and the aggregate is the mean of what the sites computed (no cross terms amplify the
-noise). The sites keep A out of their optimiser (``Method.trains``); the server checks every
-returned A is still A_0. Equal ranks only (A_0 is shared); refused by name for a rank per site.
+noise). The sites keep A out of what they train (``Objective.trained``: under DP-SGD A is never
+differentiated, clipped or noised); the server checks every returned A is bitwise the A_0 it
+broadcast (``check_frozen``). Equal ranks only (A_0 is shared); refused by name for a rank per site.
 """
 
 from __future__ import annotations
-
-import torch
 
 from fedhisto.fedmath.lora_aggregators import Aggregator, Pair, weighted_mean
 
@@ -23,9 +22,5 @@ class FFALoRA(Aggregator):
     frozen_factor = "lora_A"
 
     def pair(self, factors, weights, scaling, rank):
-        a0 = factors[0][0]
-        for k, (a, _) in enumerate(factors):
-            if not torch.equal(a, a0):
-                raise ValueError(f"ffa_lora: client {k}'s A differs from the shared A_0 (A must stay frozen: a site "
-                                 "trained it)")
-        return Pair(a0.clone(), weighted_mean([b for _, b in factors], weights))
+        # every returned A is the broadcast A_0, checked against the round's start (``check_frozen``)
+        return Pair(factors[0][0].clone(), weighted_mean([b for _, b in factors], weights))
