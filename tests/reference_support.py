@@ -259,24 +259,25 @@ def objective_terms(method, logits: list[torch.Tensor], zs: list[torch.Tensor], 
                           payload=payload or {}, params=params, start_state=start_state or {}, scratch={},
                           device=device, round_idx=0, client_idx=0, seed=11,
                           autocast=lambda: training_autocast(device, method.cfg.train.precision))
-    with method.local_session(run):
-        return method.terms_from_outputs(run, Batch(np.arange(len(y)), y, 0, 0, 0), logits, zs)
+    objective = method.objective  # the client half: the hooks a participant's training calls
+    with objective.local_session(run):
+        return objective.terms_from_outputs(run, Batch(np.arange(len(y)), y, 0, 0, 0), logits, zs)
 
 
 def restyle(method, hidden: torch.Tensor, pool: Any, rng: np.random.Generator) -> torch.Tensor:
     """The method's feature restyling of one view's tokens (B, tokens, C) with the pooled statistics
     ``pool`` and the view's generator, as the engines apply it after the method's restyle block."""
-    return method.restyle(hidden, (pool, rng, method.settings.mixstyle_alpha))
+    return method.objective.restyle(hidden, (pool, rng, method.settings.mixstyle_alpha))
 
 
 def restyle_block(method, model) -> torch.nn.Module:
     """The encoder block whose output the method restyles (and whose features its statistics describe)."""
-    return model.encoder_blocks()[method.restyle_layer()]
+    return model.encoder_blocks()[method.objective.restyle_layer()]
 
 
 def upload_before_training(method, model, start_state: State, data, seed: int) -> Any:
     """A participant's upload before training (FedStain's statistics), from the generator of ``seed``."""
-    return method.upload_before_training(model, start_state, data, np.random.default_rng(seed), torch.device("cpu"))
+    return method.objective.upload_before_training(model, start_state, data, np.random.default_rng(seed), torch.device("cpu"))
 
 
 def class_weights(method, counts: list[int]) -> torch.Tensor:
@@ -348,8 +349,8 @@ def corrected_steps(method, payload: dict, params: dict[str, torch.nn.Parameter]
 
     @contextmanager
     def session():
-        with method.local_session(run):
-            yield lambda b: sum(method.extra_terms(run, Batch(None, None, 0, 0, b), [], []).values())
+        with method.objective.local_session(run):
+            yield lambda b: sum(method.objective.extra_terms(run, Batch(None, None, 0, 0, b), [], []).values())
 
     return session()
 
@@ -358,7 +359,7 @@ def local_optimizer(method, params: list[torch.nn.Parameter]) -> torch.optim.Opt
     """The optimiser the engines build from the method's local schedule of round 0."""
     from fedhisto.train.local import OPTIMIZERS
 
-    plan = method.local_schedule(0)
+    plan = method.objective.local_schedule(0)
     return OPTIMIZERS[plan.optimizer](params, lr=plan.lr, weight_decay=plan.weight_decay)
 
 
@@ -380,7 +381,8 @@ class DPRound:
     steps: int
 
 
-def dp_round(method, model, data, start_state: State, *, client: str = "C1", seed: int = 11) -> DPRound:
+def dp_round(method, model, data, start_state: State, *, client: str = "C1", seed: int = 11,
+             payload: dict | None = None) -> DPRound:
     """One DP-SGD round of ``client`` through the sequential engine (``train.private.PrivateSites``, which
     calls ``fedhisto.privacy``), the model and views in float64 (the engine's float32 otherwise), with
     spies on the privacy step recording the first logical step's inputs, norms and clipped sum."""
@@ -402,11 +404,12 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
         seen.setdefault("names", sorted(per_unit))
         return norms
 
-    def release(self, like, generator):
+    def release(self, like, generator, masks=None):
         seen.setdefault("clipped", {k: v.detach().clone() for k, v in self.total.items()})
-        return real_release(self, like, generator)
+        return real_release(self, like, generator, masks)
 
-    real_inputs = method.batch_inputs
+    objective = method.objective  # DP-SGD wraps the client half
+    real_inputs = objective.batch_inputs
 
     def inputs64(run, batch):  # the engine's views, in the model's float64
         got = real_inputs(run, batch)
@@ -414,14 +417,14 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
         return got
 
     cfg = method.cfg
-    sites = PrivateSites.start(cfg, method, {client: data}, None, seed)
+    sites = PrivateSites.start(cfg, objective, {client: data}, None, seed)
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(step, "per_unit_gradients", grads)
         mp.setattr(dpsgd.NoisyGradientSum, "add", add)
         mp.setattr(dpsgd.NoisyGradientSum, "release", release)
-        mp.setattr(method, "batch_inputs", inputs64)
-        result = sites.local_train(client, model, start_state, None, {}, 0, 0, torch.device("cpu"))
+        mp.setattr(objective, "batch_inputs", inputs64)
+        result = sites.local_train(client, model, start_state, None, payload or {}, 0, 0, torch.device("cpu"))
     finally:
         mp.undo()
     return DPRound(seen["views"], seen["labels"], seen["norms"], seen["clipped"], seen["ce_weights"], result.state,

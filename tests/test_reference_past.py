@@ -244,7 +244,7 @@ def test_the_prototype_exchange_is_the_studys(name: str, request):
     embedders = {c: _Embedder() for c in data}
     got = drive_round(method, model, members_of(method, list(data), x), list(data),
                       lambda n, start, payload: (perturbed(start, seed=len(n)), len(data[n]), 2),
-                      after=lambda n, members: method.upload_after_aggregation(embedders[n], data[n], None,
+                      after=lambda n, members: method.objective.upload_after_aggregation(embedders[n], data[n], None,
                                                                                torch.device("cpu")))
     uploads, worst = [], 0.0
     for c in sorted(data):

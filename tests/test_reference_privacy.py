@@ -35,11 +35,6 @@ from reference_support import (
 
 pytestmark = pytest.mark.reference
 
-FFA_DEFECT = ("under DP-SGD the sequential engine clips and noises FFA-LoRA's frozen A: fedhisto.privacy takes every "
-              "tensor with requires_grad, not the tensors the method trains")
-RANK_DEFECT = ("under DP-SGD the noise is added to the zero-padded rows of A and columns of B beyond a FlexLoRA site's "
-               "rank, so a rank-2 site trains a full-rank adapter")
-
 REFERENCES = [
     Reference("mechanism", "dp_sgd", "Opacus GradSampleModule per-sample gradients and DPOptimizer clipping (relative)",
               "test_dp_sgd_step_is_opacus"),
@@ -112,7 +107,6 @@ def test_dp_sgd_step_is_opacus(request):
     check(request, "mechanism", "rdp_accountant", abs(got.epsilon - reference) / reference, 1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason=FFA_DEFECT)
 def test_ffa_lora_under_dp_clips_what_it_trains(request):
     method = dp_method("ffa_lora")
     model = model_for(method)
@@ -126,13 +120,13 @@ def test_ffa_lora_under_dp_clips_what_it_trains(request):
     check(request, "method", "ffa_lora", max(difference, a_after), 1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=RANK_DEFECT)
 def test_flexlora_site_keeps_its_rank_under_dp(request):
     method = dp_method("flexlora", lora_aggregation={"site_ranks": [["C1", 2]]})
     model = model_for(method)
     x = trainable_state(model)
     start = method.start_state(members_of(method, ["C1", "C2"], x), "C1")
-    got = dp_round(method, model, split(8, 3), start)
+    payload = method.configure_train(0, None, {"C1": None, "C2": None})["C1"]  # the server tells C1 its rank
+    got = dp_round(method, model, split(8, 3), start, payload=payload)
     worst, rank = 0.0, 0
     for a, b in lora_keys(start):
         assert float(start[a][2:].abs().max()) == 0.0  # the site starts at rank 2
