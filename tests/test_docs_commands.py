@@ -637,12 +637,13 @@ def test_the_configuration_guides_error_example_is_what_check_config_prints(tmp_
 
 def test_the_privacy_guides_method_table_is_what_each_method_declares():
     """privacy.md's table of which methods train under DP names every registered method, and says "yes",
-    "only with privacy.prototypes: noised" or "refused" as the method's own dp_refusal does."""
+    "only with privacy.prototypes: noised" or "refused" as the configuration door does (each method's objective,
+    ``Objective.dp_refusal``, through ``train.private.dp_refusals``)."""
     import copy
 
     from fedhisto.config.study import load_config
-    from fedhisto.methods.dp_capability import method_refusal
     from fedhisto.registries.method_registry import method_names
+    from fedhisto.train.private import dp_refusals
 
     text = (REPO / "docs/privacy.md").read_text()
     section = text.split("## Which methods can train under DP", 1)[1].split("\n## ", 1)[0]
@@ -659,7 +660,8 @@ def test_the_privacy_guides_method_table_is_what_each_method_declares():
         for protos in ("refuse", "noised"):
             cfg = base.model_copy(update={"privacy": base.privacy.model_copy(update={"enabled": True,
                                                                                     "prototypes": protos})})
-            refused[protos] = method_refusal(name, copy.deepcopy(cfg)) is not None
+            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"methods": [name]})})
+            refused[protos] = bool(dp_refusals(copy.deepcopy(cfg)))
         said = verdict[name]
         expected = ("refused" if refused["noised"] else "only with `privacy.prototypes: noised`" if refused["refuse"]
                     else "yes")
