@@ -63,3 +63,10 @@ rule comparators:
 rule experiments:
     input:
         experiment_outputs(),
+
+
+# On SLURM, every job that declares a GPU goes to the GPU partition (fedhisto.infra.gpu_jobs, docs/cluster.md);
+# after every rule is defined, whatever its name.
+from fedhisto.infra.gpu_jobs import route_gpu_jobs
+
+route_gpu_jobs(workflow)

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# The one GPU check of issue 22, at most 9 minutes of steps on one H200 (the device tool allows 10 per
-# command): install what the GPU machine lacks from wheels carried beside this script (it reaches no
-# package registry), then, in order of importance, each step under its own time limit:
-#   bench_hibou    `fedhisto bench`, HIBOU-B (ViT-B/14) at 5 members (one round's clients) and 25
-#                  (5 clients x 5 seeds): sequential and batched pairs/s, inference images/s (bf16 at a
-#                  large batch, and float32 at the pipeline's eval batch), peak memory, host and device
-#                  view rates; micro-batch 4 x 2 accumulation steps, the study's per-client batch of 8;
-#   bench_uni      the same for UNI (timm ViT-L/16; where timm is absent, phikon-v2: transformers'
-#                  ViT-L/16 of the same width, depth, patch and token count, and the log says so);
+# The one GPU check: the GPU path proven on the first GPU lent, in at most 9 minutes of steps on one H100/H200
+# (the device tool allows 10 per command). It installs what the GPU machine lacks from wheels carried beside
+# this script (it reaches no package registry), then, in order of importance, each step under its own limit:
+#   device         train.device auto/cuda pick the GPU; a job declaring a GPU with every GPU hidden stops
+#                  naming the cause (benchmarks/gpu_path.py device);
+#   resume         a HIBOU-B-shaped run (batched engine, 3 rounds) killed with SIGKILL after round 1's
+#                  checkpoint and resumed in a fresh process, against the uninterrupted run (gpu_path.py resume);
+#   bench_hibou    `fedhisto bench --config config/paper.yaml`: the pipeline's own training configuration
+#                  (one job's 5 members, micro-batch 4 x 2, host views and its view workers), and 25 members
+#                  (seeds stacked, not what the pipeline runs): sequential and batched pairs/s, inference
+#                  images/s, peak memory, host views (one thread, view workers) and device view rates;
 #   round          one study-shape round (HIBOU-B, five clients of 64 images, past_v2: client update,
-#                  delta-SVD aggregation, prototypes, validation) for both engines and both view pipelines;
+#                  delta-SVD aggregation, prototypes, validation) per engine, host and device views;
+#   views          the host/device split: the share of a round the engine waits for host views, without and
+#                  with the view workers (benchmarks/host_view_share.py via gpu_path.py views);
 #   bench_compile  HIBOU-B at 25 members with the batched step under torch.compile (train.compile);
-#   report         the Markdown block for docs/changelog.md with the full-grid estimate (39 study
-#                  runs, at most 50 rounds, one GPU; target under 2 hours): performance_block.md.
-# Files under $OUT (7, as the device tool returns at most 8): env.json, bench_hibou.json,
-# bench_uni.json, round.json, bench_compile.json, performance_block.md, check.log (every step's output).
+#   bench_uni      the pipeline's configuration with UNI (timm ViT-L/16; where timm is absent, phikon-v2:
+#                  transformers' ViT-L/16 of the same width, depth, patch and token count, and the log says so);
+#   report         the Markdown block for docs/changelog.md with the full-grid estimate (39 study runs, at most
+#                  50 rounds, one GPU, as the pipeline runs them; target under 2 hours): performance_block.md.
+# Files under $OUT (8, as the device tool returns at most 8): env.json, path.json (device, resume, views),
+# bench_hibou.json, round.json, bench_compile.json, bench_uni.json, performance_block.md, check.log.
 #
 #   bash benchmarks/fetch_wheels.sh            # here, once: pydantic and its three needs (cp312 wheels)
 #   device tool: run(command="bash benchmarks/gpu_check.sh", carry=["benchmarks/wheels"], timeout_s=600)
@@ -22,7 +28,7 @@
 #
 # A step that fails or overruns is recorded in check.log and the next one still runs; the exit status
 # is 1 if any step failed. GPU_CHECK_BUDGET (seconds) caps the steps before the report together:
-# default 510 on the GPU (the report then has 50 s: 560 s at most, inside the tool's 600), 3600 in a
+# default 520 on the GPU (the report then has 50 s: 570 s at most, inside the tool's 600), 3600 in a
 # dry run, whose limits only catch a hang (a CPU shared with other jobs can be many times slower).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -33,9 +39,10 @@ PY=${PYTHON:-python3}
 dry=0
 [[ "${1:-}" == "--dry-run" ]] && dry=1
 start=$(date +%s)
-budget=${GPU_CHECK_BUDGET:-$(( dry ? 3600 : 510 ))}
+budget=${GPU_CHECK_BUDGET:-$(( dry ? 3600 : 520 ))}
 log="$OUT/check.log"
 : >"$log"
+rm -f "$OUT/path.json"
 
 if ! $PY -c "import pydantic" 2>/dev/null; then
   ls "$here"/wheels/*.whl >/dev/null 2>&1 || { echo "gpu_check: pydantic is missing and benchmarks/wheels is empty: run benchmarks/fetch_wheels.sh here and carry benchmarks/wheels" | tee -a "$log" >&2; exit 3; }
@@ -60,7 +67,8 @@ except Exception as exc:  # noqa: BLE001  (any import failure means: no timm her
 env = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "dry_run": sys.argv[2] == "1",
        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
        "peft": peft.__version__, "timm": timm_version, "uni_encoder": uni, "cuda": torch.cuda.is_available(),
-       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "cpus": os.cpu_count()}
+       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "cpus": os.cpu_count(),
+       "cpus_usable": len(os.sched_getaffinity(0))}
 with open(sys.argv[1], "w") as fh:
     json.dump(env, fh, indent=2)
 print(uni)
@@ -86,23 +94,28 @@ step() {
   [[ $rc == 0 ]] || { echo "gpu_check: $name ended with $rc" | tee -a "$log"; status=1; }
 }
 
-bench=("$PY" -m fedhisto.cli bench)
+bench=("$PY" -m fedhisto.cli bench --config "$repo/config/paper.yaml")
+path=("$PY" "$here/gpu_path.py")
 if [[ $dry == 1 ]]; then
   toy=(--depth 1 --micro-batch 1 --accumulation-steps 1 --iters 1 --warmup 1 --inference-batch 2 --view-samples 2)
-  step bench_hibou 900 "${bench[@]}" --encoder hibou-b --members 1 2 "${toy[@]}" --json "$OUT/bench_hibou.json"
-  step bench_uni 900 "${bench[@]}" --encoder "$uni" --members 1 2 "${toy[@]}" --json "$OUT/bench_uni.json"
+  step device 300 "${path[@]}" device --json "$OUT/path.json"
+  step resume 900 "${path[@]}" resume --depth 1 --images 2 --rounds 2 --json "$OUT/path.json"
+  step bench_hibou 900 "${bench[@]}" --members 1 2 "${toy[@]}" --json "$OUT/bench_hibou.json"
   step round 900 "$PY" "$here/gpu_round.py" --encoder hibou-b --depth 1 --images-per-client 1 --methods past_v2 \
     --engines sequential batched --view-pipelines host device --json "$OUT/round.json"
+  step views 900 "${path[@]}" views --encoder tiny --images 2 --json "$OUT/path.json"
   step bench_compile 900 "${bench[@]}" --encoder tiny --members 2 "${toy[@]}" --compile --json "$OUT/bench_compile.json"
+  step bench_uni 900 "${bench[@]}" --encoder "$uni" --members 1 "${toy[@]}" --json "$OUT/bench_uni.json"
 else
-  step bench_hibou 150 "${bench[@]}" --encoder hibou-b --members 5 25 --iters 8 --inference-batch 512 \
-    --json "$OUT/bench_hibou.json"
-  step bench_uni 180 "${bench[@]}" --encoder "$uni" --members 5 25 --iters 8 --inference-batch 256 \
-    --json "$OUT/bench_uni.json"
-  step round 120 "$PY" "$here/gpu_round.py" --encoder hibou-b --images-per-client 64 --methods past_v2 \
+  step device 30 "${path[@]}" device --json "$OUT/path.json"
+  step resume 100 "${path[@]}" resume --images 8 --rounds 3 --json "$OUT/path.json"
+  step bench_hibou 120 "${bench[@]}" --members 5 25 --iters 8 --inference-batch 512 --json "$OUT/bench_hibou.json"
+  step round 90 "$PY" "$here/gpu_round.py" --encoder hibou-b --images-per-client 64 --methods past_v2 \
     --engines sequential batched --view-pipelines host device --json "$OUT/round.json"
-  step bench_compile 150 "${bench[@]}" --encoder hibou-b --members 25 --iters 8 --inference-batch 512 --compile \
+  step views 60 "${path[@]}" views --images 32 --json "$OUT/path.json"
+  step bench_compile 90 "${bench[@]}" --members 25 --iters 8 --inference-batch 512 --compile \
     --json "$OUT/bench_compile.json"
+  step bench_uni 60 "${bench[@]}" --encoder "$uni" --members 5 --iters 8 --inference-batch 256 --json "$OUT/bench_uni.json"
 fi
 budget=$(( budget + 50 ))  # the report always gets its 50 s
 step report 50 "$PY" "$here/gpu_report.py" "$OUT"

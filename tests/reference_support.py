@@ -1,60 +1,36 @@
-"""The reference tests' one door into fedhisto, and their bookkeeping.
+"""The reference tests' one door into fedhisto.
 
 Every ``tests/test_reference_*.py`` compares one round (or one step) of a registered method, LoRA
 aggregator or mechanism with code the project did not write (Flower's strategies, peft, Opacus,
 scikit-learn) or with its paper's equations written afresh in the test. The calls into fedhisto
 go through the functions here, and only through the entry points every engine uses (the method
-registry's ``build_method``, the round driver ``train.loop.run_round``, a method's objective hook,
-the sequential engine's DP-SGD round), so a change of those interfaces is adapted in this file alone.
+registry's ``build_method``, the round driver ``train.loop.run_round``, the hooks of a method's client
+half, its ``objective``, the sequential engine's DP-SGD round), so a change of those interfaces is
+adapted in this file alone. A test holds the method as ``build_method`` returns it, its server half
+(the strategy); the client hooks are reached through it here.
 
-Bookkeeping: each test module declares what it covers in ``REFERENCES`` (:class:`Reference`); a test
-measures its largest difference from the reference and hands it to :func:`check`, which asserts it
-is within the test's tolerance and, when ``FEDHISTO_REFERENCE_RECORD`` names a file (the recording
-command ``python benchmarks/reference_differences.py`` sets it), records it there. The meta-test
-(``test_reference_coverage.py``) fails when a registered method or aggregator has no declaration.
+Bookkeeping (what each test covers, :class:`Reference`; the checked and recorded difference, :func:`check`)
+is ``reference_record``'s; both are handed to the tests from here, with the glue.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
-import math
-import os
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-RECORD_ENV = "FEDHISTO_REFERENCE_RECORD"
-KINDS = ("method", "aggregator", "mechanism")
+from reference_record import Reference as Reference  # re-exported: a test imports from one place
+from reference_record import check as check
 
 State = dict[str, torch.Tensor]
 
 
-# ------------------------------------------------------------------ what each test covers
-@dataclass(frozen=True)
-class Reference:
-    """One row of the methods guide's reference table: ``name`` (a registered method, a registered LoRA
-    aggregator or a named mechanism) compared with ``reference`` in the test function ``test`` of the
-    declaring module."""
-
-    kind: str
-    name: str
-    reference: str
-    test: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"reference kind {self.kind!r}: one of {KINDS}")
-
-
+# ------------------------------------------------------------------ what is registered
 def registered_methods() -> list[str]:
     from fedhisto.methods import method_names
 
@@ -65,55 +41,6 @@ def registered_aggregators() -> list[str]:
     from fedhisto.fedmath.lora_aggregators import AGGREGATORS
 
     return list(AGGREGATORS)
-
-
-def reference_modules() -> list[Path]:
-    return sorted((REPO / "tests").glob("test_reference_*.py"))
-
-
-def declared(request: pytest.FixtureRequest, kind: str, name: str) -> Reference:
-    """The declaration of (kind, name) by the requesting test in its module's ``REFERENCES``."""
-    test = request.node.originalname
-    found = [r for r in getattr(request.module, "REFERENCES", []) if (r.kind, r.name, r.test) == (kind, name, test)]
-    if len(found) != 1:
-        raise LookupError(f"{request.module.__name__}.REFERENCES declares {len(found)} references of {kind} {name!r} "
-                          f"for {test} (exactly one is needed)")
-    return found[0]
-
-
-def check(request: pytest.FixtureRequest, kind: str, name: str, difference: float, tolerance: float) -> None:
-    """Assert the largest difference ``difference`` of ``name`` from its reference is within ``tolerance``,
-    recording it first (so a known defect's xfail records its difference too)."""
-    ref = declared(request, kind, name)
-    difference = float(difference)
-    if not math.isfinite(difference):
-        raise AssertionError(f"{kind} {name}: the difference from {ref.reference} is {difference}")
-    marker = request.node.get_closest_marker("xfail")
-    _record(ref, Path(request.module.__file__), difference, marker.kwargs.get("reason") if marker else None)
-    assert difference <= tolerance, (f"{kind} {name} differs from {ref.reference} by {difference:.3e} "
-                                     f"(tolerance {tolerance:.1e})")
-
-
-def _record(ref: Reference, module: Path, difference: float, known_defect: str | None) -> None:
-    """Largest difference per (kind, name, reference) into the file ``FEDHISTO_REFERENCE_RECORD`` names,
-    under an exclusive lock (pytest-xdist workers record into one file)."""
-    path = os.environ.get(RECORD_ENV)
-    if not path:
-        return
-    key = f"{ref.kind}:{ref.name}:{ref.reference}"
-    with open(f"{path}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        target = Path(path)
-        data = json.loads(target.read_text()) if target.exists() else {}
-        before = data.get(key, {}).get("max_difference", 0.0)
-        data[key] = {"kind": ref.kind, "name": ref.name, "reference": ref.reference,
-                     "test": f"tests/{module.name}::{ref.test}", "max_difference": max(before, difference),
-                     "known_defect": known_defect}
-        scratch = target.with_suffix(".tmp")
-        scratch.write_text(json.dumps(data, indent=1, sort_keys=True))
-        scratch.replace(target)
-
-
 
 
 # ------------------------------------------------------------------ fedhisto: configs, methods, models
@@ -259,7 +186,7 @@ def objective_terms(method, logits: list[torch.Tensor], zs: list[torch.Tensor], 
                           payload=payload or {}, params=params, start_state=start_state or {}, scratch={},
                           device=device, round_idx=0, client_idx=0, seed=11,
                           autocast=lambda: training_autocast(device, method.cfg.train.precision))
-    objective = method.objective  # the client half: the hooks a participant's training calls
+    objective = method.objective
     with objective.local_session(run):
         return objective.terms_from_outputs(run, Batch(np.arange(len(y)), y, 0, 0, 0), logits, zs)
 
@@ -267,7 +194,7 @@ def objective_terms(method, logits: list[torch.Tensor], zs: list[torch.Tensor], 
 def restyle(method, hidden: torch.Tensor, pool: Any, rng: np.random.Generator) -> torch.Tensor:
     """The method's feature restyling of one view's tokens (B, tokens, C) with the pooled statistics
     ``pool`` and the view's generator, as the engines apply it after the method's restyle block."""
-    return method.objective.restyle(hidden, (pool, rng, method.settings.mixstyle_alpha))
+    return method.objective.restyle(hidden, (pool, rng, method.objective.settings.mixstyle_alpha))
 
 
 def restyle_block(method, model) -> torch.nn.Module:
@@ -277,7 +204,13 @@ def restyle_block(method, model) -> torch.nn.Module:
 
 def upload_before_training(method, model, start_state: State, data, seed: int) -> Any:
     """A participant's upload before training (FedStain's statistics), from the generator of ``seed``."""
-    return method.objective.upload_before_training(model, start_state, data, np.random.default_rng(seed), torch.device("cpu"))
+    return method.objective.upload_before_training(model, start_state, data, np.random.default_rng(seed),
+                                                   torch.device("cpu"))
+
+
+def upload_after_aggregation(method, model, data) -> Any:
+    """A participant's upload after aggregation (PAST's prototypes) with ``model`` holding the new global state."""
+    return method.objective.upload_after_aggregation(model, data, None, torch.device("cpu"))
 
 
 def class_weights(method, counts: list[int]) -> torch.Tensor:
@@ -347,19 +280,26 @@ def corrected_steps(method, payload: dict, params: dict[str, torch.nn.Parameter]
     run = SimpleNamespace(payload=payload, device=torch.device("cpu"), scratch={}, params=params,
                           start_state=start, data=[None] * n_steps, nominal_batch=1, round_idx=0)
 
+    objective = method.objective
+
     @contextmanager
     def session():
-        with method.objective.local_session(run):
-            yield lambda b: sum(method.objective.extra_terms(run, Batch(None, None, 0, 0, b), [], []).values())
+        with objective.local_session(run):
+            yield lambda b: sum(objective.extra_terms(run, Batch(None, None, 0, 0, b), [], []).values())
 
     return session()
+
+
+def local_schedule(method, round_idx: int = 0):
+    """The local schedule (optimiser, lr, weight decay...) the method's participants train round ``round_idx`` by."""
+    return method.objective.local_schedule(round_idx)
 
 
 def local_optimizer(method, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimiser the engines build from the method's local schedule of round 0."""
     from fedhisto.train.local import OPTIMIZERS
 
-    plan = method.objective.local_schedule(0)
+    plan = local_schedule(method)
     return OPTIMIZERS[plan.optimizer](params, lr=plan.lr, weight_decay=plan.weight_decay)
 
 
@@ -381,11 +321,11 @@ class DPRound:
     steps: int
 
 
-def dp_round(method, model, data, start_state: State, *, client: str = "C1", seed: int = 11,
-             payload: dict | None = None) -> DPRound:
+def dp_round(method, model, data, start_state: State, *, client: str = "C1", seed: int = 11) -> DPRound:
     """One DP-SGD round of ``client`` through the sequential engine (``train.private.PrivateSites``, which
-    calls ``fedhisto.privacy``), the model and views in float64 (the engine's float32 otherwise), with
-    spies on the privacy step recording the first logical step's inputs, norms and clipped sum."""
+    calls ``fedhisto.privacy``) with the payload the method's server half sends it in round 0 (a FlexLoRA
+    site's rank), the model and views in float64 (the engine's float32 otherwise), with spies on the
+    privacy step recording the first logical step's inputs, norms and clipped sum."""
     from fedhisto.privacy import dpsgd, step
     from fedhisto.train.private import PrivateSites
 
@@ -404,11 +344,11 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
         seen.setdefault("names", sorted(per_unit))
         return norms
 
-    def release(self, like, generator, masks=None):
+    def release(self, like, generator, *args, **kwargs):
         seen.setdefault("clipped", {k: v.detach().clone() for k, v in self.total.items()})
-        return real_release(self, like, generator, masks)
+        return real_release(self, like, generator, *args, **kwargs)
 
-    objective = method.objective  # DP-SGD wraps the client half
+    objective = method.objective
     real_inputs = objective.batch_inputs
 
     def inputs64(run, batch):  # the engine's views, in the model's float64
@@ -417,6 +357,7 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
         return got
 
     cfg = method.cfg
+    payload = method.configure_train(0, None, {client: None})[client]  # what the server sends (a site's rank)
     sites = PrivateSites.start(cfg, objective, {client: data}, None, seed)
     mp = pytest.MonkeyPatch()
     try:
@@ -424,7 +365,7 @@ def dp_round(method, model, data, start_state: State, *, client: str = "C1", see
         mp.setattr(dpsgd.NoisyGradientSum, "add", add)
         mp.setattr(dpsgd.NoisyGradientSum, "release", release)
         mp.setattr(objective, "batch_inputs", inputs64)
-        result = sites.local_train(client, model, start_state, None, payload or {}, 0, 0, torch.device("cpu"))
+        result = sites.local_train(client, model, start_state, None, payload, 0, 0, torch.device("cpu"))
     finally:
         mp.undo()
     return DPRound(seen["views"], seen["labels"], seen["norms"], seen["clipped"], seen["ce_weights"], result.state,

@@ -24,6 +24,9 @@ REQUIRED_PROGRAMS = ("unshare", "nsenter", "mount", "munged", "mariadbd", "maria
                      "sbatch", "sacct", "sacctmgr", "squeue", "scancel", "sinfo")
 ACCOUNT = "fedhisto"
 PARTITION = "debug"
+#: the node's one configured GPU: a GRES without a device file (Slurm counts and allocates it; nothing binds a
+#: device, so a job on it computes on the CPU), in a partition of its own as on a cluster with GPU nodes
+GPU_PARTITION = "gpu"
 
 
 class ClusterError(RuntimeError):
@@ -104,7 +107,7 @@ class LocalSlurmCluster:
     def stop(self) -> None:
         """Cancel what is left in the queue, then stop the daemons in reverse order of start."""
         if any(name == "slurmctld" for name, _ in self.procs):
-            self.run("scancel", "--full", "--partition", PARTITION, check=False)
+            self.run("scancel", "--full", "--partition", f"{PARTITION},{GPU_PARTITION}", check=False)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
                 time.sleep(1)
@@ -219,8 +222,16 @@ class LocalSlurmCluster:
             # for slurmdbd traffic the munge socket is AccountingStoragePass, not AuthInfo
             f"AccountingStoragePass={self.munge_socket}\n"
             "JobAcctGatherType=jobacct_gather/linux\nReturnToService=2\nMinJobAge=300\n"
-            f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory={mem} State=UNKNOWN\n"
-            f"PartitionName={PARTITION} Nodes={self.host} Default=YES MaxTime=INFINITE State=UP\n")
+            "GresTypes=gpu\nAccountingStorageTRES=gres/gpu\n"
+            f"NodeName={self.host} CPUs={os.cpu_count()} RealMemory={mem} Gres=gpu:1 State=UNKNOWN\n"
+            f"PartitionName={PARTITION} Nodes={self.host} Default=YES MaxTime=INFINITE State=UP\n"
+            f"PartitionName={GPU_PARTITION} Nodes={self.host} MaxTime=INFINITE State=UP\n")
+        # Slurm drops a GPU without a device file ("Removing file-less GPU gpu:(null) from final GRES list"):
+        # the node's GPU is a device file that is /dev/null (numbered as NVIDIA's, so Slurm indexes it 0)
+        (r / "dev").mkdir(exist_ok=True)
+        (r / "dev/nvidia0").unlink(missing_ok=True)
+        (r / "dev/nvidia0").symlink_to("/dev/null")
+        (r / "etc/gres.conf").write_text(f"NodeName={self.host} Name=gpu File={r}/dev/nvidia0\n")
 
     def _start_slurmdbd(self) -> None:
         self._spawn("slurmdbd", ["slurmdbd", "-D"])
@@ -231,5 +242,6 @@ class LocalSlurmCluster:
         self.run("sacctmgr", "-i", "add", "user", "root", f"Account={ACCOUNT}")
 
     def _node_idle(self) -> bool:
-        proc = self.run("sinfo", "-h", "-o", "%T", check=False)
-        return proc.returncode == 0 and proc.stdout.strip() in {"idle", "mixed"}
+        proc = self.run("sinfo", "-h", "-o", "%T", check=False)  # one line per partition
+        states = set(proc.stdout.split())
+        return proc.returncode == 0 and bool(states) and states <= {"idle", "mixed"}

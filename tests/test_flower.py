@@ -260,7 +260,7 @@ def test_site_workers_answer_every_message_bitwise_and_decode_once(prepared: dic
     infos = [info for ph in phases for action in ph.values() for info in action["sites"].values()]
     assert infos and all(i["worker-served"] >= 1 and "worker-fallback" not in i for i in infos)
     for s in SITES:
-        assert len(list(cache[s].glob("decoded-*.pt"))) == (2 if s == "C1" else 1)  # C1: also validation
+        assert len(list(cache[s].glob("decoded-*.safetensors"))) == (2 if s == "C1" else 1)  # C1: also validation
     assert len(worker_pids) == 5 and {int(i["pid"]) for i in infos} == worker_pids  # answered by the workers
     a = in_process(prepared, "past_v2", tmp_path / "inproc")
     assert_same_states(a, tmp_path / "flower/checkpoint.pt")

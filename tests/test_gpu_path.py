@@ -195,15 +195,16 @@ def test_the_full_grid_is_the_studys_39_runs_and_its_work_follows_table_2():
 
 
 def _bench_row(members: int, **figures) -> dict:
-    row = {"device": "GPU", "encoder": "hibou-b", "members": members, "micro_batch": 4, "accumulation_steps": 2,
-           "compile": False, "depth": 12, "full_depth": True, "sequential_pairs_s": 100.0, "batched_pairs_s": 2500.0,
-           "speedup": 25.0, "inference_images_s": 10000.0, "inference_batch": 512,
+    row = {"device": "GPU", "encoder": "hibou-b", "members": members, "pipeline_members": 5, "micro_batch": 4,
+           "accumulation_steps": 2, "compile": False, "depth": 12, "full_depth": True, "sequential_pairs_s": 100.0,
+           "batched_pairs_s": 2500.0, "speedup": 25.0, "inference_images_s": 10000.0, "inference_batch": 512,
            "pipeline_inference_images_s": 4000.0, "peak_memory_gib": 20.0, "host_view_pairs_s": 50.0,
-           "device_view_pairs_s": 20000.0}
+           "host_view_workers": 15, "host_pool_pairs_s": 600.0, "device_view_pairs_s": 20000.0,
+           "view_pipeline": "host"}
     return {**row, **figures}
 
 
-def test_the_grid_estimate_adds_training_views_and_inference_at_the_measured_rates(tmp_path):
+def test_the_grid_estimate_is_the_pipelines_configuration_with_views_overlapped_by_the_workers(tmp_path):
     import json
 
     from fedhisto.bench.gpu_summary import estimates, markdown, study_work
@@ -211,24 +212,63 @@ def test_the_grid_estimate_adds_training_views_and_inference_at_the_measured_rat
     work = study_work()
     bench = [_bench_row(5, batched_pairs_s=1000.0), _bench_row(25)]
     est = estimates(work, bench)
-    # batched: the 25-member row; views made on the device; inference as the pipeline runs it
-    expected = (work.training_pairs / 2500 + work.training_pairs / 20000 + work.inference_images / 4000) / 3600
-    assert est["batched_hours"] == pytest.approx(expected)
-    assert est["batched_hours"] == pytest.approx(1.568 + 0.196 + 0.349, abs=0.002)  # 2.11 h
-    # sequential: the 5-member row, host views in one process (50 pairs/s: 78 hours of views alone)
+    # one job per method and seed: the 5-member row; host views by 15 workers at 600 pairs/s overlap a
+    # 1 ms step: a pair costs max(1 ms, 1.667 ms), the views hold up 40 % of it
+    assert est["members"] == 5 and est["pair_s"] == pytest.approx(1 / 600)
+    assert est["views_waited"] == pytest.approx(1 - 600 / 1000)
+    assert est["pipeline_hours"] == pytest.approx((work.training_pairs / 600 + work.inference_images / 4000) / 3600)
+    # seeds stacked (not what the pipeline runs): the 25-member row, views on the device after the step
+    assert est["stacked_hours"] == pytest.approx(
+        (work.training_pairs / 2500 + work.training_pairs / 20000 + work.inference_images / 4000) / 3600)
     assert est["sequential_hours"] == pytest.approx(
         (work.training_pairs / 100 + work.training_pairs / 50 + work.inference_images / 4000) / 3600)
+    no_workers = estimates(work, [_bench_row(5, host_pool_pairs_s=None, host_view_workers=0)])
+    assert no_workers["pair_s"] == pytest.approx(1 / 2500 + 1 / 50)  # the engine's thread makes them first
+    on_device = estimates(work, [_bench_row(5, view_pipeline="device")])
+    assert on_device["pair_s"] == pytest.approx(1 / 2500 + 1 / 20000)
     (tmp_path / "env.json").write_text(json.dumps({"device": "NVIDIA H200", "dry_run": False, "torch": "2.11"}))
     (tmp_path / "bench_hibou.json").write_text(json.dumps(bench))
     (tmp_path / "bench_uni.json").write_text(json.dumps(_bench_row(5, encoder="phikon-v2")))
     block = markdown(tmp_path)
     assert "### GPU check (NVIDIA H200" in block
-    assert f"**{est['batched_hours']:.2f} h** (over the 2 h target)" in block
+    assert (f"as the pipeline runs it (batched engine, 5 members per job, host views, 15 view workers): "
+            f"**{est['pipeline_hours']:.2f} h**") in block
+    assert "the views hold up 40 % of the pair's time" in block
     assert "UNI-size: phikon-v2 (transformers ViT-L/16" in block
     assert "bench_compile.json: not produced" in block and "Dry run" not in block
     (tmp_path / "bench_compile.json").write_text(json.dumps(_bench_row(25, compile=True, batched_pairs_s=3000.0,
                                                                        compile_warmup_s=80.0)))
     assert "- torch.compile at 25 members: 3000 pairs/s against 2500 eager (1.20x; first step 80 s)" in markdown(tmp_path)
+
+
+def test_the_bench_measures_the_pipelines_own_configuration():
+    """``fedhisto bench`` reads the pipeline's config: for the study's (config/paper.yaml) it trains what one
+    training job trains (encoder, heads, crop, the method's micro-batch and accumulation, the round's five
+    participants, engine, views, precision); a toy run on the CPU reports those settings."""
+    from pathlib import Path
+
+    import yaml
+
+    from fedhisto.bench.throughput import METHOD, bench_settings, run_bench
+    from fedhisto.config.stage_blocks import training_settings
+    from fedhisto.entry import study_config
+
+    paper = study_config(yaml.safe_load((Path(__file__).resolve().parents[1] / "config/paper.yaml").read_text()))
+    got = bench_settings(paper)
+    plan = build_method(METHOD, paper).objective.local_schedule(0)
+    train = {**paper.train.model_dump(), **training_settings(paper, METHOD)}
+    assert got["encoder"] == paper.model.encoder.name == "hibou-b"
+    assert (got["adapter_hidden"], got["film_hidden"], got["crop"]) == (paper.model.adapter_hidden,
+                                                                      paper.model.film_hidden, paper.views.crop_size)
+    assert (got["micro_batch"], got["accumulation_steps"]) == (plan.micro_batch, plan.accumulation) == (4, 2)
+    assert got["members"] == got["pipeline_members"] == len(paper.partition_targets().clients) == 5
+    for key in ("engine", "view_pipeline", "view_workers", "precision", "compile"):
+        assert got[key] == train[key], key
+    assert got["eval_batch"] == paper.evaluate.eval_batch
+    tiny = load_config({"model": {"encoder": {"name": "tiny", "require_pretrained": False}}, "views": {"crop_size": 32}})
+    r = run_bench(tiny, iters=1, warmup=1, inference_batch=2, view_samples=2, micro=1, accum=1)
+    assert (r["encoder"], r["members"], r["crop"], r["engine"], r["view_pipeline"]) == ("tiny", 5, 32, "batched", "host")
+    assert r["host_view_workers"] == 0 and r["host_pool_pairs_s"] is None  # a CPU: no view workers
 
 
 #: the package's dependencies (and extras) the GPU machine's image lacks; pydantic travels as a wheel
@@ -252,11 +292,13 @@ class Refuse(importlib.abc.MetaPathFinder):
             raise ImportError(f"{{name}} is not on the GPU machine")
 sys.meta_path.insert(0, Refuse())
 import fedhisto.bench.throughput, fedhisto.bench.gpu_summary, fedhisto.cli, fedhisto.train.loop, fedhisto.train.participants
-for script in ("gpu_round", "gpu_report"):
+sys.path.insert(0, "{repo}/benchmarks")
+for script in ("gpu_round", "gpu_report", "gpu_path", "host_view_share"):
     spec = importlib.util.spec_from_file_location(script, "{repo}/benchmarks/" + script + ".py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 fedhisto.bench.gpu_summary.study_work()
-fedhisto.cli.build_parser().parse_args(["bench", "--members", "5", "25", "--compile", "--depth", "1"])
+fedhisto.cli.build_parser().parse_args(["bench", "--members", "5", "25", "--compile", "--depth", "1",
+                                         "--config", "config/paper.yaml"])
 print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=300)
@@ -275,16 +317,19 @@ def test_gpu_check_dry_run_passes_end_to_end(tmp_path):
     proc = subprocess.run(["bash", str(repo / "benchmarks/gpu_check.sh"), "--dry-run"], cwd=repo,
                           env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    names = {"env.json", "bench_hibou.json", "bench_uni.json", "round.json", "bench_compile.json",
+    names = {"env.json", "path.json", "bench_hibou.json", "bench_uni.json", "round.json", "bench_compile.json",
              "performance_block.md", "check.log"}
     assert {p.name for p in tmp_path.iterdir()} == names  # the device tool returns at most 8 files
+    path = json.loads((tmp_path / "path.json").read_text())
+    assert path["device"]["ok"] and path["resume"]["ok"] and path["views"]["ok"]
+    assert path["resume"]["resumed_at_rounds"] == [1] and path["resume"]["bitwise"]  # one CPU, one build
     assert [r["members"] for r in json.loads((tmp_path / "bench_hibou.json").read_text())] == [1, 2]
     rounds = json.loads((tmp_path / "round.json").read_text())
     assert {(r["engine"], r["view_pipeline"]) for r in rounds} == {(e, v) for e in ("sequential", "batched")
                                                                    for v in ("host", "device")}
     assert json.loads((tmp_path / "bench_compile.json").read_text())["compile"] is True
     block = (tmp_path / "performance_block.md").read_text()
-    assert "Dry run on a CPU" in block and "batched engine, 2 members, device views" in block  # the largest measured
+    assert "Dry run on a CPU" in block and "The GPU path:" in block and "resume: killed (SIGKILL)" in block
 
 
 @pytest.mark.zoo
@@ -294,8 +339,115 @@ def test_the_uni_bench_runs_the_timm_vit_l_at_toy_size():
     pytest.importorskip("timm")
     from fedhisto.bench.throughput import run_bench
 
-    r = run_bench("uni", members=2, micro=1, accum=1, iters=1, warmup=1, inference_batch=2, depth=1, view_samples=2)
+    r = run_bench(encoder="uni", members=2, micro=1, accum=1, iters=1, warmup=1, inference_batch=2, depth=1, view_samples=2)
     assert (r["encoder"], r["depth"], r["full_depth"], r["members"]) == ("uni", 1, False, 2)
     for key in ("sequential_pairs_s", "batched_pairs_s", "inference_images_s", "pipeline_inference_images_s",
                 "host_view_pairs_s", "device_view_pairs_s", "batched_tflops"):
         assert np.isfinite(r[key]) and r[key] > 0, key
+
+
+# ------------------------------------------------------------------ torch.compile: no recompile per step
+def _compile_jobs(name: str, images: int):
+    """One round of ``name`` under train.compile on a one-block encoder, every client with ``images`` images,
+    so every micro-batch step of the round has the same row layout."""
+    cfg = load_config({**CFG, "train": {**CFG["train"], "engine": "batched", "compile": True, "local_epochs": 1,
+                                        "paired_micro_batch": 2, "accumulation_steps": 1, "single_view_batch": 2}})
+    method = build_method(name, cfg)
+    torch.manual_seed(0)
+    model = FedHistoModel(random_encoder("tiny", depth=1), cfg.model, film=method.film)
+    device = torch.device("cpu")
+    clients = {c: split(images, 30 + k) for k, c in enumerate(("C1", "C2"))}
+    rng = np.random.default_rng(5)
+    doc = {"clients": {c: {"standardised": rng.normal(size=14).tolist()} for c in clients},
+           "centroid": {"standardised": rng.normal(size=14).tolist()}}
+    descriptors = method.descriptors(doc, sorted(clients))
+    start = perturbed(model.trainable_state(), 7)
+    from fedhisto.methods.base import named_rng
+
+    uploads = {n: method.objective.upload_before_training(model, start, clients[n], named_rng("style_sample", 11, 1, k), device)
+               for k, n in enumerate(sorted(clients))} if method.pre_uploads else dict.fromkeys(clients)
+    payloads = method.configure_train(1, None, uploads)
+    jobs = [MemberJob(start, clients[n], descriptors[n], payloads[n], 11, 1, k) for k, n in enumerate(sorted(clients))]
+    return cfg, method.objective, model, device, jobs
+
+
+@pytest.mark.parametrize("name", ["past_v2", "fedstain"])
+def test_compiled_steps_of_one_layout_add_no_graph_after_the_second(name: str, monkeypatch):
+    """train.compile: dynamo compiles the encoder pass once per row layout; steps that repeat a layout
+    (and later rounds) reuse it. Counted by torch._dynamo's own ``unique_graphs`` before each step's pass
+    (the backend is "eager": recompiles are decided by dynamo's guards, whatever compiles the graph).
+    Three rounds of three steps each, every step with the same layout: the graph count after the first
+    step's pass is the last new one (forward and backward of one layout)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import fedhisto.train.batched as batched
+
+    torch._dynamo.reset()
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager"))
+    batched._compiled_pass.cache_clear()
+    seen: list[tuple] = []
+    real = batched.stacked_forward
+
+    def recording(model, method, params, layout, pixels, descriptors, **kw):
+        out = real(model, method, params, layout, pixels, descriptors, **kw)
+        seen.append((tuple(layout.members), tuple(layout.sizes), tuple(s is None for s in layout.specs),
+                     counters["stats"]["unique_graphs"]))
+        return out
+
+    monkeypatch.setattr(batched, "stacked_forward", recording)
+    try:
+        cfg, method, model, device, jobs = _compile_jobs(name, 6)
+        compiled = [batched_local_train(method, model, jobs, cfg, device) for _ in range(3)]
+    finally:
+        batched._compiled_pass.cache_clear()
+        torch._dynamo.reset()
+    assert len(seen) == 9 and len({s[:3] for s in seen}) == 1, seen  # nine steps, one layout
+    graphs = [s[3] for s in seen]
+    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 8, graphs  # nothing compiled after the first step
+    # and the graphs do what the eager pass does (FedStain's restyling included: dynamo runs its numpy
+    # draws eagerly at a graph break); the eager backend replays the same ops in the same order
+    eager_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
+    eager = batched_local_train(method, model, jobs, eager_cfg, device)
+    for rnd in compiled:
+        for c, e in zip(rnd, eager, strict=True):
+            assert max(float((c.state[k] - e.state[k]).abs().max()) for k in e.state) < 1e-6
+
+
+def test_gpu_check_parses_and_its_device_part_refuses_a_hidden_gpu_on_a_cpu(tmp_path):
+    """The script parses (bash -n); its first step runs here: on a CPU ``auto`` picks the CPU, and a job
+    declaring a GPU with every GPU hidden stops naming why (the full --dry-run: FEDHISTO_GPU_DRY_RUN=1)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    assert subprocess.run(["bash", "-n", str(repo / "benchmarks/gpu_check.sh")]).returncode == 0
+    out = tmp_path / "path.json"
+    env = {**os.environ, "PYTHONPATH": f"{repo / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks/gpu_path.py"), "device", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    device = json.loads(out.read_text())["device"]
+    assert device["auto"] == "cpu" and device["ok"]
+    assert device["hidden_gpu_job"].startswith("DeviceUnavailable: this job declares 1 GPU(s)")
+
+
+def test_the_host_view_share_benchmark_reports_a_share_per_round(tmp_path):
+    """benchmarks/host_view_share.py at toy size: one row per (engine, workers), the share in [0, 1] (a
+    figure, not a timing assertion)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("host_view_share", bench / "host_view_share.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--images-per-client", "2", "--workers", "0", "1", "--out", str(tmp_path)])
+    assert [(r["engine"], r["view_workers"]) for r in rows] == [("batched", 0), ("batched", 1)]
+    assert all(0 < r["host_view_s"] < r["round_s"] and 0 < r["host_view_share"] < 1 for r in rows)

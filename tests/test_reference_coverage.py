@@ -17,15 +17,8 @@ import os
 import re
 
 import pytest
-from reference_support import (
-    KINDS,
-    RECORD_ENV,
-    REPO,
-    Reference,
-    reference_modules,
-    registered_aggregators,
-    registered_methods,
-)
+from reference_record import KINDS, RECORD_ENV, REPO, Reference, reference_modules
+from reference_support import registered_aggregators, registered_methods
 
 pytestmark = pytest.mark.reference
 

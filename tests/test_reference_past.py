@@ -43,6 +43,7 @@ from reference_support import (
     server_prototypes,
     split,
     trainable_state,
+    upload_after_aggregation,
 )
 
 pytestmark = pytest.mark.reference
@@ -244,8 +245,7 @@ def test_the_prototype_exchange_is_the_studys(name: str, request):
     embedders = {c: _Embedder() for c in data}
     got = drive_round(method, model, members_of(method, list(data), x), list(data),
                       lambda n, start, payload: (perturbed(start, seed=len(n)), len(data[n]), 2),
-                      after=lambda n, members: method.objective.upload_after_aggregation(embedders[n], data[n], None,
-                                                                               torch.device("cpu")))
+                      after=lambda n, members: upload_after_aggregation(method, embedders[n], data[n]))
     uploads, worst = [], 0.0
     for c in sorted(data):
         z = torch.cat(embedders[c].seen).double().numpy()

@@ -31,6 +31,7 @@ from reference_support import (
     corrected_steps,
     drive_round,
     local_optimizer,
+    local_schedule,
 )
 
 pytestmark = pytest.mark.reference
@@ -128,7 +129,7 @@ def test_scaffold_adamw_is_option_ii_after_adamw_steps(request):
     engines build one per round), and option II's variates from the returned states."""
     lr, wd, steps, x0 = 0.05, 1e-4, 6, np.array([1.0, 1.0])
     method = build("scaffold_adamw", config(train={"lr": lr, "weight_decay": wd}))
-    plan = method.objective.local_schedule(0)
+    plan = local_schedule(method)
     assert (plan.optimizer, plan.lr, plan.weight_decay) == ("adamw", lr, wd)
     moments: dict[int, tuple] = {}
 

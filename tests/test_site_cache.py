@@ -34,7 +34,7 @@ def test_decoded_images_come_from_the_cache_until_the_manifest_changes(tmp_path,
     manifest, cache = _manifest(tmp_path), tmp_path / "cache"
     monkeypatch.setattr(site_mod, "_DATA", {})
     first = load_site_split(str(manifest), "C1", "optimisation", 16, str(cache))
-    files = list(cache.glob("decoded-C1-optimisation-*.pt"))
+    files = list(cache.glob("decoded-C1-optimisation-*.safetensors"))
     assert len(files) == 1 and len(first) == 4
 
     decoded = []
@@ -50,9 +50,9 @@ def test_decoded_images_come_from_the_cache_until_the_manifest_changes(tmp_path,
     monkeypatch.setattr(site_mod, "_DATA", {})
     changed = load_site_split(str(manifest), "C1", "optimisation", 16, str(cache))
     assert len(decoded) == 4 and changed.labels != first.labels
-    assert len(list(cache.glob("decoded-C1-optimisation-*.pt"))) == 2
+    assert len(list(cache.glob("decoded-C1-optimisation-*.safetensors"))) == 2
 
-    newest = max(cache.glob("decoded-*.pt"), key=lambda p: p.stat().st_mtime)
+    newest = max(cache.glob("decoded-*.safetensors"), key=lambda p: p.stat().st_mtime)
     newest.write_bytes(b"truncated")  # a damaged file is decoded again and replaced
     monkeypatch.setattr(site_mod, "_DATA", {})
     load_site_split(str(manifest), "C1", "optimisation", 16, str(cache))
@@ -67,4 +67,4 @@ def test_an_undecodable_image_names_its_sample_id_not_its_path(tmp_path, monkeyp
         load_site_split(str(manifest), "C1", "optimisation", 16, str(tmp_path / "cache"))
     assert "site C1: image 0000000000000002 cannot be decoded" in str(err.value)
     assert str(tmp_path) not in str(err.value)
-    assert not list((tmp_path / "cache").glob("*.pt"))  # nothing half-decoded is cached
+    assert not list((tmp_path / "cache").glob("decoded-*"))  # nothing half-decoded is cached

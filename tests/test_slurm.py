@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -26,12 +28,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_tiny_config
-from slurm_cluster import ACCOUNT, PARTITION, LocalSlurmCluster
+from slurm_cluster import ACCOUNT, GPU_PARTITION, PARTITION, LocalSlurmCluster
 
 pytestmark = pytest.mark.slurm
 
 TARGET = "results/bootstrap/v2_vs_fedavg.json"
 CANCELLED = "results/train/past_v2/seed11"
+GPU_METHOD = "local_only"  # in the tiny config's methods, outside the bootstrap target: trained by the GPU job only
+GPU_RUN = f"results/train/{GPU_METHOD}/seed11"
 ROUNDS = 6
 # The README's cluster command with its placeholders filled for this cluster (test_packaging checks the README).
 README_COMMAND = ("snakemake --workflow-profile workflow/profiles/slurm all "
@@ -85,6 +89,42 @@ def cancel_after_round(cluster: LocalSlurmCluster, workflow: subprocess.Popen, r
     pytest.fail(f"no past_v2 training job got past round {after}")
 
 
+def recording_sbatch(folder: Path) -> Path:
+    """A folder whose ``sbatch`` appends its arguments to ``folder/sbatch.calls`` and runs the real one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    real = shutil.which("sbatch", path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+    wrapper = folder / "sbatch"
+    wrapper.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{folder}/sbatch.calls"\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    return folder
+
+
+def gpu_job(cluster: LocalSlurmCluster, repo: Path, snakemake_bin: str, workdir: Path) -> dict:
+    """The workflow's training job declaring a GPU (``--set-resources train_federated:gpu=1``, as HIBOU-B's
+    do), submitted with the README's command plus the GPU partition: first as is, on a node whose GPU is
+    no CUDA device to torch (the job must stop and say why), then with ``train.device: cpu``."""
+    target = GPU_RUN + "/status.json"
+    words = cluster_command(repo, snakemake_bin, "--set-resources", "train_federated:gpu=1")
+    words[words.index("all") if "all" in words else words.index(TARGET)] = target
+    # the GPU partition, and one CPU per GPU: this node has as few as two (the profile's routing asks eight)
+    words += [f"slurm_gpu_partition={GPU_PARTITION}", "cpus_per_gpu=1"]
+    folder = recording_sbatch(workdir / "recording")
+    env = {**cluster.env, "PATH": f"{folder}:{cluster.env['PATH']}"}
+    out = {}
+    for name, extra in (("refused", ["--retries", "0"]), ("on_cpu", ["--config", "train={'device': 'cpu'}"])):
+        cmd = [*words[:4], *extra, *words[4:]]
+        with (workdir / f"gpu_{name}.log").open("w") as log:
+            out[f"{name}_rc"] = subprocess.run(cluster.command(*cmd, cwd=workdir), env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, timeout=1800).returncode
+        out[f"{name}_log"] = (workdir / f"gpu_{name}.log").read_text()
+    sacct = cluster.run("sacct", "-a", "-X", "-n", "-P", "-S", "2000-01-01",
+                        "-o", "JobIDRaw,State,Partition,AllocTRES%120,Comment%200").stdout
+    out["jobs"] = [dict(zip(("id", "state", "partition", "tres", "comment"), line.split("|", 4), strict=True))
+                   for line in sacct.splitlines() if GPU_METHOD in line]
+    out["sbatch"] = (folder / "sbatch.calls").read_text().splitlines()
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, repo: Path, snakemake_bin: str) -> dict:
     on_slurm, local = tmp_path_factory.mktemp("on_slurm"), tmp_path_factory.mktemp("local")
@@ -115,6 +155,7 @@ def runs(tmp_path_factory, repo: Path, snakemake_bin: str) -> dict:
                                                   env=cluster.env, stdout=log, stderr=subprocess.STDOUT,
                                                   timeout=1800).returncode
             out["jobs"] = cluster.jobs()
+            out["gpu"] = gpu_job(cluster, repo, snakemake_bin, on_slurm)
         out["local_rc"] = reference.wait(timeout=1800)
     finally:
         if reference.poll() is None:
@@ -181,3 +222,25 @@ def test_outputs_equal_a_local_run(runs: dict):
         rows = [(d / f"results/train/{method}/seed11/history.csv").read_text().splitlines() for d in (on_slurm, here)]
         # everything but the wall-clock column
         assert [r.rsplit(",", 1)[0] for r in rows[0]] == [r.rsplit(",", 1)[0] for r in rows[1]]
+
+
+def test_a_gpu_job_goes_to_the_gpu_partition_and_stops_on_a_gpu_torch_cannot_use(runs: dict):
+    """Slurm allots the job the node's GPU (a device file torch cannot use: CUDA_VISIBLE_DEVICES=0, a CPU
+    build of torch); the job stops naming the cause instead of training on the CPU. With train.device: cpu
+    the same job runs through the GPU partition and completes."""
+    gpu = runs["gpu"]
+    assert gpu["refused_rc"] != 0, gpu["refused_log"][-3000:]
+    refused, done = gpu["jobs"][0], gpu["jobs"][-1]
+    assert [j["state"].split()[0] for j in gpu["jobs"]] == ["FAILED", "COMPLETED"], (gpu["jobs"], gpu["on_cpu_log"][-4000:])
+    on_slurm, _ = runs["dirs"]
+    job_log = (on_slurm / f".snakemake/slurm_logs/rule_train_federated/{GPU_METHOD}_11/{refused['id']}.log").read_text()
+    assert "DeviceUnavailable: this job declares 1 GPU(s)" in job_log and "built without CUDA" in job_log
+    assert gpu["on_cpu_rc"] == 0, gpu["on_cpu_log"][-3000:]
+    for job in (refused, done):
+        assert job["partition"] == GPU_PARTITION and "gres/gpu=1" in job["tres"], job
+    submitted = [c for c in gpu["sbatch"] if "rule_train_federated" in c]
+    assert len(submitted) == 2 and all(f"-p {GPU_PARTITION}" in c and "--gpus=1" in c for c in submitted), submitted
+    assert not any("--ntasks-per-gpu" in c for c in submitted)
+    assert all("--cpus-per-gpu" in c and "--cpus-per-task" not in c for c in submitted), submitted
+    report = json.loads((on_slurm / GPU_RUN / "report.json").read_text())
+    assert report["runtime"]["device"] == "cpu" and report["rounds"] == ROUNDS

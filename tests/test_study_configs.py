@@ -13,7 +13,7 @@ import pytest
 import yaml
 from study_layouts import build_study_folders, sources_overlay
 
-from fedhisto.config.study import command_line_config, layer, load_config, load_config_file
+from fedhisto.config.study import STUDY_METHODS, command_line_config, layer, load_config, load_config_file
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in (REPO / "config").glob("*.yaml"))
@@ -23,6 +23,12 @@ def _snakemake(snakemake_bin: str, workdir: Path, *args: str) -> subprocess.Comp
     """From the repository root (relative --configfile paths are the user's), working in ``workdir``."""
     return subprocess.run([snakemake_bin, "-s", str(REPO / "Snakefile"), "-d", str(workdir), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600)  # a hang guard, not a speed check
+
+
+def _study_runs(cfg) -> list[tuple[str, int]]:
+    """The runs `all` trains: the study's principal methods and the ablations (the extra comparators are the
+    target `comparators`)."""
+    return [(m, s) for m, s in cfg.train_runs() if m in STUDY_METHODS or m in cfg.train.ablations]
 
 
 def _job_counts(text: str) -> dict[str, int]:
@@ -45,17 +51,28 @@ def roots_overlay(tmp_path_factory) -> Path:
 def test_every_shipped_config_dry_runs_through_snakemake_and_plans_its_whole_study(
         name: str, roots_overlay: Path, snakemake_bin: str, tmp_path: Path):
     files = [str(REPO / "config" / name)] + ([str(roots_overlay)] if name == "paper.yaml" else [])
-    proc = _snakemake(snakemake_bin, tmp_path, "-n", "all", "comparators", "--configfile", *files)  # the whole study
+    proc = _snakemake(snakemake_bin, tmp_path, "-n", "all", "--configfile", *files)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     cfg = load_config_file(*files)
     jobs = _job_counts(text)
-    # every configured (method, seed) trains, one prediction job per seed group, every comparison is bootstrapped
-    assert jobs["train_federated"] == len(cfg.train_runs())
-    assert jobs["bootstrap_comparison"] == len(cfg.trained_comparisons())
+    # `all`: every (method, seed) of the study's five methods and the ablations trains, and every comparison
+    # among them is bootstrapped; `all comparators`: every configured run and comparison
+    study = _study_runs(cfg)
+    study_methods = {m for m, _ in study}
+    within = [n for n in cfg.trained_comparisons()
+              if {cfg.bootstrap.comparisons[n].method, cfg.bootstrap.comparisons[n].reference} <= study_methods]
+    assert jobs["train_federated"] == len(study)
+    assert jobs["bootstrap_comparison"] == len(within)
     assert jobs["make_report"] == 1 and jobs["summarize_metrics"] == 1
+    proc = _snakemake(snakemake_bin, tmp_path, "-n", "all", "comparators", "--configfile", *files)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    everything = _job_counts(proc.stdout + proc.stderr)
+    assert everything["train_federated"] == len(cfg.train_runs())
+    assert everything["bootstrap_comparison"] == len(cfg.trained_comparisons())
     if name == "paper.yaml":
-        assert len(cfg.train_runs()) == 9 * 5 + 3 * 3 and len(cfg.trained_comparisons()) == 11
+        assert len(study) == 5 * 5 + 3 * 3 and len(cfg.train_runs()) == 9 * 5 + 3 * 3
+        assert len(cfg.trained_comparisons()) == 11
         assert cfg.model.encoder.name == "hibou-b" and "pretrain_encoder" not in jobs
         assert jobs["collect_sources"] == 1
 
@@ -100,13 +117,13 @@ def test_without_a_configfile_config_overrides_still_lay_over_the_embedded_defau
                                                                                      tmp_path: Path):
     (tmp_path / "config").mkdir()
     (tmp_path / "config/config.yaml").write_text((REPO / "config/config.yaml").read_text())  # the workdir's default
-    # the targets first: --quiet takes "all" as one of its own values
-    proc = _snakemake(snakemake_bin, tmp_path, "-n", "all", "comparators", "--quiet", "rules", "--config",
+    # the target first: --quiet takes "all" as one of its own values
+    proc = _snakemake(snakemake_bin, tmp_path, "-n", "all", "--quiet", "rules", "--config",
                       "cohort={synthetic: {profile: tiny}}")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     default = load_config_file(REPO / "config/config.yaml")
-    assert _job_counts(text)["train_federated"] == len(default.train_runs())
+    assert _job_counts(text)["train_federated"] == len(_study_runs(default))
     assert "pretrain_encoder" in text  # the default's own tiny-encoder pretraining is still there
 
 
@@ -166,9 +183,7 @@ def test_the_documented_study_commands_plan_the_study(where: str, roots_overlay:
     assert (f"```bash\n{command}\n```" if where.endswith(".md") else f"# Run with: {command}\n") in text
     proc = _snakemake(snakemake_bin, tmp_path, "-n", *command.split()[1:], str(roots_overlay))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    # `all` is the study: its five methods on five seeds and three ablations on three (the comparators,
-    # FedStain in both readings, local_only and pooled, are `snakemake comparators`)
-    assert _job_counts(proc.stdout + proc.stderr)["train_federated"] == 5 * 5 + 3 * 3
+    assert _job_counts(proc.stdout + proc.stderr)["train_federated"] == 5 * 5 + 3 * 3  # the study; comparators apart
 
 
 def test_an_encoder_folder_of_another_architecture_under_paper_config_is_an_error_naming_it(tmp_path: Path):

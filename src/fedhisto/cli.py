@@ -427,8 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=_cmd_probe_encoder)
     from fedhisto.classify.commands import use_parsers
+    from fedhisto.model.snapshot import fetch_parsers
 
     use_parsers(sub)
+    fetch_parsers(sub)
     _federation_parsers(sub)
     _site_local_parsers(sub)
     from fedhisto.records.record_blocks import add_parser as records_parser
@@ -437,11 +439,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="pairs/s (sequential vs batched engine), inference images/s, peak memory, "
                                      "ratio to a matmul peak measured in the same run")
-    p.add_argument("--encoder", choices=ENCODER_NAMES, default="tiny")
-    p.add_argument("--members", type=int, nargs="+", default=[5],
-                   help="members trained together (clients x seeds); several values: one run each, in one process")
-    p.add_argument("--micro-batch", type=int, default=4, help="paired images per member and micro-batch")
-    p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per optimiser step")
+    p.add_argument("--config", default=None, help="the pipeline's config whose training the bench measures (encoder, "
+                                                  "heads, crop, batches, members, engine, views, precision; default: "
+                                                  "the study's settings)")
+    p.add_argument("--encoder", choices=ENCODER_NAMES, default=None, help="another encoder than the config's")
+    p.add_argument("--members", type=int, nargs="+", default=[None],
+                   help="members trained together (default: one job's participants, as the pipeline runs; more: "
+                        "clients x seeds); several values: one run each, in one process")
+    p.add_argument("--micro-batch", type=int, default=None, help="paired images per member and micro-batch (default: "
+                                                                 "the config's)")
+    p.add_argument("--accumulation-steps", type=int, default=None, help="micro-batches per optimiser step (default: "
+                                                                        "the config's)")
     p.add_argument("--iters", type=int, default=None, help="timed micro-batch steps (default: two optimiser steps)")
     p.add_argument("--warmup", type=int, default=None, help="untimed micro-batch steps (default: one optimiser step)")
     p.add_argument("--inference-batch", type=int, default=None, help="default 256 on a GPU, 32 on a CPU")

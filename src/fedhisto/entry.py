@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ def from_snakemake(smk: Any) -> Config:
 
     disable_bars()
     setup_logging(log_of(smk))
+    # the GPUs the rule declares: a job that declares one and finds none stops (model.build.pick_device)
+    os.environ["FEDHISTO_JOB_GPUS"] = str(int(smk.resources.get("gpu", 0) or 0))
     return study_config(dict(smk.config), source="snakemake config")
 
 

@@ -10,13 +10,15 @@ the 1,419 global-validation images; for the prototype methods (v1, v2, no-JS, no
 over at most ``proto_max_images`` optimisation images per client and present class (2,677). Once
 per run: the test set, the client holdouts and the external cohort (2,869 images).
 
-Seconds = training pairs / training pairs/s + training pairs / view pairs/s (views are made, then
-trained on, one after the other in the engines) + inference images / pipeline inference images/s
-(float32 at ``evaluate.eval_batch``, as ``train.inference.predict`` runs). The batched figure takes
-the 25-member bench (five clients of five seeds at once) with device views; the sequential figure
-the 5-member bench (one participant after the other) with one process of host views, today's
-default engine. What the estimate leaves out: aggregation (a few small SVDs per round), checkpoints,
-process start-up, and any overlap of host work with the GPU (none today).
+Seconds = training pairs x seconds per pair + inference images / pipeline inference images/s (float32 at
+``evaluate.eval_batch``, as ``train.inference.predict`` runs). Seconds per pair are the pipeline's: the
+bench row of one job's members (``fedhisto bench`` measures the pipeline's configuration,
+``bench.throughput.bench_settings``: the pipeline runs one job per method and seed), the batched step plus
+its views: made on the host by the view workers while the step runs (only what exceeds the step waits),
+by the engine's thread before the step without workers, or on the device after it (``pair_split``, which
+also gives the host/device split). Beside it: seeds stacked in one job (25 members, device views; not what
+the pipeline runs) and the sequential engine with host views in one thread. What the estimate leaves out:
+aggregation (a few small SVDs per round), checkpoints and process start-up.
 """
 
 from __future__ import annotations
@@ -79,36 +81,92 @@ def by_members(bench: Any, members: int) -> dict | None:
 
 
 def grid_seconds(work: GridWork, train_pairs_s: float, view_pairs_s: float, inference_images_s: float) -> float:
+    """Views made, then trained on, one after the other (views on the critical path in full)."""
     return (work.training_pairs / train_pairs_s + work.training_pairs / view_pairs_s
             + work.inference_images / inference_images_s)
 
 
+def pair_split(row: dict, view_pipeline: str = "host") -> dict[str, float]:
+    """Seconds per training pair of a bench row as the pipeline runs it: the batched step on the device,
+    and the views: on the device after the step (``device``), or made on the host, by the view workers
+    while the step runs (overlapped: only what exceeds the step waits) or, without workers, by the
+    engine's thread before it. ``views_waited``: the views' share of the critical path."""
+    step = 1 / row["batched_pairs_s"]
+    if view_pipeline == "device":
+        views = 1 / row["device_view_pairs_s"]
+        total = step + views
+    elif row.get("host_pool_pairs_s"):
+        views = 1 / row["host_pool_pairs_s"]
+        total = max(step, views)
+    else:
+        views = 1 / row["host_view_pairs_s"]
+        total = step + views
+    return {"step_s": step, "views_s": views, "pair_s": total, "views_waited": (total - step) / total}
+
+
 def estimates(work: GridWork, bench: Any) -> dict[str, float]:
-    """Hours for the grid: batched (25 members, device views) and sequential (5 members, host views);
-    without those rows (a dry run), the largest and the smallest member count measured."""
-    big = by_members(bench, 25) or max(_rows(bench), key=lambda r: r["members"])
-    small = by_members(bench, 5) or min(_rows(bench), key=lambda r: r["members"])
-    out = {"batched_members": big["members"], "sequential_members": small["members"]}
-    inference = big["pipeline_inference_images_s"]
-    out["batched_hours"] = grid_seconds(work, big["batched_pairs_s"], big["device_view_pairs_s"], inference) / 3600
-    out["model_only_hours"] = (work.training_pairs / big["batched_pairs_s"] + work.inference_images
-                               / big["inference_images_s"]) / 3600
-    out["sequential_hours"] = grid_seconds(work, small["sequential_pairs_s"], small["host_view_pairs_s"],
-                                           small["pipeline_inference_images_s"]) / 3600
+    """Hours for the grid as the pipeline runs it: one job per method and seed (the bench row of the
+    pipeline's members per job), its view pipeline, views overlapped by the view workers where they run;
+    and, where measured, seeds stacked in one job (25 members, device views), which the pipeline does
+    not run, and the sequential engine (DP-SGD, Flower sites) with host views in one thread."""
+    rows = _rows(bench)
+    members = rows[0].get("pipeline_members", 5)
+    row = by_members(bench, members) or min(rows, key=lambda r: r["members"])
+    view_pipeline = row.get("view_pipeline", "host")
+    split = pair_split(row, view_pipeline)
+    inference = row["pipeline_inference_images_s"]
+    out = {"members": row["members"], "view_pipeline": view_pipeline, "view_workers": row.get("host_view_workers", 0),
+           **split, "pipeline_hours": (work.training_pairs * split["pair_s"] + work.inference_images / inference) / 3600,
+           "model_only_hours": (work.training_pairs / row["batched_pairs_s"] + work.inference_images
+                                / row["inference_images_s"]) / 3600,
+           "sequential_hours": grid_seconds(work, row["sequential_pairs_s"], row["host_view_pairs_s"], inference) / 3600}
+    stacked = by_members(bench, 25)
+    if stacked is not None and stacked is not row:
+        out["stacked_hours"] = grid_seconds(work, stacked["batched_pairs_s"], stacked["device_view_pairs_s"],
+                                            stacked["pipeline_inference_images_s"]) / 3600
     return out
+
+
+def _pool(r: dict) -> str:
+    return f"{r['host_pool_pairs_s']:.4g} ({r['host_view_workers']})" if r.get("host_pool_pairs_s") else "none"
 
 
 def _bench_table(bench: Any) -> list[str]:
     lines = ["| members | sequential pairs/s | batched pairs/s | speed-up | inference images/s (batch) | "
-             "inference as the pipeline (float32) | peak memory (GiB) | host views pairs/s | device views pairs/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "inference as the pipeline (float32) | peak memory (GiB) | host views pairs/s | host views, view workers "
+             "| device views pairs/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in _rows(bench):
         compiled = f", compiled (first step {r['compile_warmup_s']:.0f} s)" if r.get("compile") else ""
         lines.append(f"| {r['members']} | {r['sequential_pairs_s']:.4g} | {r['batched_pairs_s']:.4g}{compiled} | "
                      f"{r['speedup']:.2f}x | {r['inference_images_s']:.4g} ({r['inference_batch']}) | "
                      f"{r.get('pipeline_inference_images_s', float('nan')):.4g} | {r['peak_memory_gib']:.2f} | "
-                     f"{r['host_view_pairs_s']:.4g} | {r.get('device_view_pairs_s', float('nan')):.4g} |")
+                     f"{r['host_view_pairs_s']:.4g} | {_pool(r)} | {r.get('device_view_pairs_s', float('nan')):.4g} |")
     return lines
+
+
+def _path_lines(path: dict | None) -> list[str]:
+    """The GPU path (benchmarks/gpu_path.py): the device picked, the resume after a kill, the host-view share."""
+    if not path:
+        return ["path.json: not produced (see its log)", ""]
+    lines = ["The GPU path:", ""]
+    d = path.get("device")
+    if d:
+        lines.append(f"- device: `train.device: auto` picks {d['auto']}; a job declaring a GPU with every GPU hidden "
+                     f"stops: `{d['hidden_gpu_job'][:160]}` ({'as it should' if d['ok'] else 'NOT as it should'})")
+    r = path.get("resume")
+    if r:
+        same = "bitwise" if r["bitwise"] else f"largest difference {r['max_abs_difference']:.3g}"
+        lines.append(f"- resume: killed (SIGKILL) after round 1's checkpoint, resumed in a fresh process at rounds "
+                     f"{r['resumed_at_rounds']}, ended at round {r['rounds'][1]} of {r['rounds'][0]}; against the "
+                     f"uninterrupted run: {same} ({'passed' if r['ok'] else 'FAILED'}, {r['seconds']} s)")
+    v = path.get("views")
+    if v:
+        lines += ["", "| engine | view workers | round (s) | host views on the engine's path (s) | share |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {x['engine']} | {x['view_workers']} | {x['round_s']:.2f} | {x['host_view_s']:.2f} | "
+                  f"{100 * x['host_view_share']:.0f} % |" for x in v["rows"]]
+    return [*lines, ""]
 
 
 def markdown(out: Path) -> str:
@@ -127,6 +185,7 @@ def markdown(out: Path) -> str:
     if env.get("dry_run"):
         lines += ["**Dry run on a CPU at toy sizes (reduced depth, tiny batches): these figures say the script "
                   "works, nothing about a GPU.**", ""]
+    lines += _path_lines(load("path.json"))
     for name, title in (("bench_hibou.json", "HIBOU-B (ViT-B/14, 85.7M)"), ("bench_uni.json", None),
                         ("bench_compile.json", "")):
         bench = load(name)
@@ -160,13 +219,22 @@ def markdown(out: Path) -> str:
         lines.append("- not computed: bench_hibou.json missing")
     else:
         est = estimates(work, hibou)
-        verdict = "under" if est["batched_hours"] < TARGET_HOURS else "over"
-        lines += [f"- batched engine, {est['batched_members']} members, device views: **{est['batched_hours']:.2f} h** "
-                  f"({verdict} the {TARGET_HOURS:g} h target)",
+        verdict = "under" if est["pipeline_hours"] < TARGET_HOURS else "over"
+        workers = f", {est['view_workers']} view workers" if est["view_workers"] else ""
+        per_job = f"{est['members']} member{'s' if est['members'] != 1 else ''} per job"
+        lines += [f"- as the pipeline runs it (batched engine, {per_job}, "
+                  f"{est['view_pipeline']} views{workers}): **{est['pipeline_hours']:.2f} h** ({verdict} the "
+                  f"{TARGET_HOURS:g} h target)",
+                  f"- host/device split per training pair: the step {1000 * est['step_s']:.2f} ms on the device, the "
+                  f"views {1000 * est['views_s']:.2f} ms; the views hold up {100 * est['views_waited']:.0f} % of "
+                  "the pair's time",
                   f"- model compute alone at the bench's batched and large-batch inference rates: "
-                  f"{est['model_only_hours']:.2f} h",
-                  f"- sequential engine, {est['sequential_members']} members, host views in one process (today's "
-                  f"default): {est['sequential_hours']:.2f} h"]
+                  f"{est['model_only_hours']:.2f} h"]
+        if "stacked_hours" in est:
+            lines.append(f"- five seeds stacked in one job (25 members, device views; not what the pipeline runs): "
+                         f"{est['stacked_hours']:.2f} h")
+        lines.append(f"- sequential engine (DP-SGD, Flower sites), host views in one thread: "
+                     f"{est['sequential_hours']:.2f} h")
         compiled = load("bench_compile.json")
         if compiled is not None:
             c = _rows(compiled)[0]

@@ -16,11 +16,18 @@ Figures, all measured in the same process on the same device:
 - ``*_tflops`` and ``*_ratio``: model FLOP/s (counted with torch's FlopCounterMode on one step)
   and their ratio to ``matmul_tflops``;
 - ``peak_memory_gib``: peak device memory (GPU), or the process's peak resident memory (CPU);
-- ``host_view_pairs_s``: paired stain views made on the host per second by one process (the
+- ``host_view_pairs_s``: paired stain views made on the host per second by one thread (the
   engines' data path; the timings above use views already on the device, kept as uint8);
+  ``host_pool_pairs_s``: the same made by the pipeline's view workers (``train.view_workers``:
+  ``host_view_workers`` threads on this device, none on a CPU), which overlap the step;
 - ``device_view_pairs_s``: the same paired views made by ``fedhisto.data.device_views`` on the bench
   device, a batch of ``members x micro`` pairs per call (parameters drawn on the host, pixels from
   uint8 images kept on the device), images and output sized as for ``host_view_pairs_s``.
+
+What is measured is the pipeline's own configuration (``bench_settings``): the config's encoder, head
+sizes, crop, micro-batch and accumulation, one training job's members (its participants: the pipeline
+runs one job per method and seed), precision and compile, and its view path; ``--members`` measures a
+larger stack (seeds together, which the pipeline does not run).
 
 Views are synthetic uint8 tiles on the device (timing does not depend on content); the encoder has
 the chosen shape with random weights (no download; ``depth`` builds fewer blocks, for CPU dry runs).
@@ -37,6 +44,7 @@ import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,10 +70,27 @@ from fedhisto.train.batched import (
     stacked_forward,
 )
 from fedhisto.train.plan import MemberJob, local_run
+from fedhisto.train.view_workers import view_workers
 
-#: head sizes: the embedded default's for the tiny encoder, the study's for every foundation model
-TINY_HEAD = {"adapter_hidden": 32, "film_hidden": 32}
-STUDY_HEAD = {"adapter_hidden": 256, "film_hidden": 64}
+#: the method the bench trains: the study's proposed one (paired views, FiLM, prototypes)
+METHOD = "past_v2"
+
+
+def bench_settings(cfg: Any, encoder: str | None = None, members: int | None = None) -> dict:
+    """What the bench runs, from the pipeline's configuration ``cfg``: its encoder, head sizes, crop, the
+    method's micro-batch and accumulation, the members of one training job's batched step (the method's
+    participants of a round: the pipeline runs one job per method and seed), the engine, view pipeline,
+    view workers, precision and compile, and the evaluation batch. ``encoder`` and ``members`` override
+    (to measure a larger stack or another encoder); the result records both."""
+    strategy = build_method(METHOD, cfg)
+    plan = strategy.objective.local_schedule(0)
+    participants = len(strategy.participants(dict.fromkeys(cfg.partition_targets().clients)))
+    return {"method": METHOD, "encoder": encoder or cfg.model.encoder.name,
+            "adapter_hidden": cfg.model.adapter_hidden, "film_hidden": cfg.model.film_hidden,
+            "crop": cfg.views.crop_size, "micro_batch": plan.micro_batch, "accumulation_steps": plan.accumulation,
+            "members": members or participants, "pipeline_members": participants, "engine": cfg.train.engine,
+            "view_pipeline": cfg.train.view_pipeline, "view_workers": cfg.train.view_workers,
+            "precision": cfg.train.precision, "compile": cfg.train.compile, "eval_batch": cfg.evaluate.eval_batch}
 
 
 def _sync(device: torch.device) -> None:
@@ -107,15 +132,26 @@ def _pixels(u8: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Te
     return (u8.float() / 255 - mean) / std
 
 
-def host_view_rate(crop: int, n: int = 16) -> float:
-    """Paired stain views per second made on the host by one process (images 2 x crop, as loaded)."""
+def host_view_rate(crop: int, n: int = 16, workers: int = 0) -> float:
+    """Paired stain views per second made on the host (images 2 x crop, as loaded): by the engine's thread
+    (``workers`` 0), or spread over ``workers`` threads as the view workers make them."""
+    from concurrent.futures import ThreadPoolExecutor
+
     cfg = load_config({"views": {"crop_size": crop}}).views
     rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (2 * crop, 2 * crop, 3), dtype=np.uint8) for _ in range(n)]
+    images = [rng.integers(0, 256, (2 * crop, 2 * crop, 3), dtype=np.uint8) for _ in range(max(n, workers))]
+
+    def one(k: int) -> None:
+        training_views(images[k], cfg, 11, 0, f"{k:016x}", paired=True)
+
     start = time.perf_counter()
-    for k, im in enumerate(images):
-        training_views(im, cfg, 11, 0, f"{k:016x}", paired=True)
-    return n / (time.perf_counter() - start)
+    if workers:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(one, range(len(images))))
+    else:
+        for k in range(len(images)):
+            one(k)
+    return len(images) / (time.perf_counter() - start)
 
 
 def device_view_rate(crop: int, device: torch.device, batch: int, iters: int = 3) -> float:
@@ -135,26 +171,35 @@ def device_view_rate(crop: int, device: torch.device, batch: int, iters: int = 3
     return batch / _timed(make, device, iters, warmup=1)
 
 
-def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: int = 2, iters: int | None = None,
-              warmup: int | None = None, inference_batch: int | None = None, compile: bool = False,
-              device: torch.device | None = None, depth: int | None = None, view_samples: int = 16) -> dict:
-    """The figures above as a dict (see the module docstring)."""
+def run_bench(pipeline: Any = None, encoder: str | None = None, members: int | None = None, iters: int | None = None,
+              warmup: int | None = None, inference_batch: int | None = None, compile: bool | None = None,
+              device: torch.device | None = None, depth: int | None = None, view_samples: int = 16,
+              micro: int | None = None, accum: int | None = None) -> dict:
+    """The figures above as a dict (see the module docstring), for the pipeline's configuration ``pipeline``
+    (a Config; default: the study's settings) as ``bench_settings`` reads it; ``encoder``, ``members``,
+    ``compile``, ``micro`` and ``accum`` override it (toy sizes on a CPU, a larger stack)."""
+    pipeline = pipeline if pipeline is not None else load_config({})
+    settings = bench_settings(pipeline, encoder, members)
+    encoder, members = settings["encoder"], settings["members"]
+    micro, accum = micro or settings["micro_batch"], accum or settings["accumulation_steps"]
+    compile = settings["compile"] if compile is None else compile
     # whole optimiser steps: the first ones build AdamW's state and the autograd/allocator caches
     warmup = accum if warmup is None else warmup
     iters = 2 * accum if iters is None else iters
     device = device or (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     set_determinism()  # the kernels the pipeline's runs get (model.build.pick_device)
-    crop = encoder_entry(encoder).input_size
-    head = TINY_HEAD if encoder_entry(encoder).pretrainable else STUDY_HEAD
-    cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False}, **head},
-                       "views": {"crop_size": crop},
-                       "train": {"paired_micro_batch": micro, "accumulation_steps": accum}})
-    strategy = build_method("past_v2", cfg)
+    crop = settings["crop"] if encoder == pipeline.model.encoder.name else encoder_entry(encoder).input_size
+    cfg = load_config({"model": {"encoder": {"name": encoder, "require_pretrained": False},
+                                 "adapter_hidden": settings["adapter_hidden"], "film_hidden": settings["film_hidden"]},
+                       "views": {"crop_size": crop}, "evaluate": {"eval_batch": settings["eval_batch"]},
+                       "train": {"paired_micro_batch": micro, "accumulation_steps": accum,
+                                 "precision": settings["precision"]}})
+    strategy = build_method(METHOD, cfg)
     method = strategy.objective  # the client half: what the benchmark trains
     torch.manual_seed(0)
     model = FedHistoModel(random_encoder(encoder, depth), cfg.model, film=strategy.film).to(device)
     model.train()
-    autocast = training_autocast(device)
+    autocast = training_autocast(device, settings["precision"])
     mean = torch.tensor(cfg.views.mean, device=device).view(1, 3, 1, 1)
     std = torch.tensor(cfg.views.std, device=device).view(1, 3, 1, 1)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -259,7 +304,9 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
         mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
         name = f"CPU ({torch.get_num_threads()} threads)"
     pairs = members * micro
+    workers = view_workers(settings["view_workers"], device, settings["engine"], settings["view_pipeline"])
     out = {
+        **settings, "crop": crop,
         "device": name, "encoder": encoder, "members": members, "micro_batch": micro, "accumulation_steps": accum,
         "pairs_per_member_step": micro * accum, "compile": compile, "iters": iters,
         "depth": depth or encoder_entry(encoder).depth, "full_depth": depth is None,
@@ -271,6 +318,8 @@ def run_bench(encoder: str = "tiny", members: int = 5, micro: int = 4, accum: in
         "pipeline_inference_batch": eval_f32.shape[0], "pipeline_inference_images_s": _sig(eval_f32.shape[0] / pipe_s),
         "peak_memory_gib": _sig(mem), "peak_memory_kind": "device" if device.type == "cuda" else "process RSS",
         "host_view_pairs_s": _sig(host_view_rate(crop, view_samples)),
+        "host_view_workers": workers, "host_pool_pairs_s": _sig(host_view_rate(crop, view_samples, workers))
+        if workers else None,
         "device_view_pairs_s": _sig(device_view_rate(crop, device, pairs, iters=min(3, iters))), "device_view_batch": pairs,
     }
     out["batched_tflops"] = _sig(step_flops / bat_s / 1e12)
@@ -302,7 +351,10 @@ def format_table(r: dict) -> str:
                                            f"{r['pipeline_inference_batch']})") if "pipeline_inference_images_s" in r
              else ("inference as the pipeline", "not measured"),
              (f"peak memory ({r['peak_memory_kind']})", f"{r['peak_memory_gib']:.2f} GiB"),
-             ("host views (1 process)", f"{r['host_view_pairs_s']:.4g} pairs/s")]
+             ("host views (1 thread)", f"{r['host_view_pairs_s']:.4g} pairs/s")]
+    if r.get("host_pool_pairs_s"):
+        rows.append(("host views (view workers)", f"{r['host_pool_pairs_s']:.4g} pairs/s ({r['host_view_workers']} "
+                                                  "threads)"))
     if "device_view_pairs_s" in r:  # results written before the device views existed lack it
         rows.append(("device views", f"{r['device_view_pairs_s']:.4g} pairs/s at batch {r['device_view_batch']}"))
     width = max(len(k) for k, _ in rows)
@@ -312,12 +364,16 @@ def format_table(r: dict) -> str:
 def main(args) -> int:
     """One run per ``--members`` value; ``--json`` gets the figures (a list when there are several),
     rewritten after each run so a run stopped part-way keeps what it measured."""
+    from fedhisto.entry import study_config_file
+
+    pipeline = study_config_file(args.config) if getattr(args, "config", None) else load_config({})
     members = args.members if isinstance(args.members, list) else [args.members]
     results = []
     for n in members:
-        results.append(run_bench(args.encoder, n, args.micro_batch, args.accumulation_steps, args.iters, args.warmup,
-                                 args.inference_batch, args.compile, depth=getattr(args, "depth", None),
-                                 view_samples=getattr(args, "view_samples", 16)))
+        results.append(run_bench(pipeline, args.encoder, n, args.iters, args.warmup, args.inference_batch,
+                                 args.compile or None, depth=getattr(args, "depth", None),
+                                 view_samples=getattr(args, "view_samples", 16), micro=args.micro_batch,
+                                 accum=args.accumulation_steps))
         print(format_table(results[-1]), flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

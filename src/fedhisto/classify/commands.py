@@ -43,7 +43,7 @@ def _cmd_classify(args: argparse.Namespace) -> int:
     summary = run_classify(args.model, args.images, args.out, descriptor=args.descriptor,
                            calibrate=args.calibration, labels=args.labels, encoder_dir=args.encoder_dir,
                            uncertain_below=args.uncertain_below, max_megapixels=args.max_megapixels,
-                           contact_sheet=args.contact_sheet, threads=args.threads)
+                           contact_sheet=args.contact_sheet, threads=args.threads, device=args.device)
     print(json.dumps({k: summary[k] for k in ("classified", "excluded", "converted", "label_counts")}, indent=2))
     return 0
 
@@ -84,5 +84,7 @@ def use_parsers(sub) -> None:
                    help="refuse (list as excluded) images larger than this; tile them first")
     p.add_argument("--contact-sheet", help="PNG path (default: beside --out)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where to compute (as train.device): auto = the GPU if usable, else the CPU")
     p.add_argument("--log", help="also write the log here")
     p.set_defaults(func=_cmd_classify)

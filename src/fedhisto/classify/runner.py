@@ -73,13 +73,15 @@ def eval_settings(pkg: Package) -> SimpleNamespace:
 
 
 def member_probabilities(pkg: Package, images: list[np.ndarray], descriptor: np.ndarray | None,
-                         encoder_dir: str | Path | None = None, threads: int = 1) -> dict[str, np.ndarray]:
-    """Per member, the (N x 3) probabilities, uncalibrated (softmax of the logits)."""
-    from fedhisto.model.build import pick_device
+                         encoder_dir: str | Path | None = None, threads: int = 1,
+                         device: str = "auto") -> dict[str, np.ndarray]:
+    """Per member, the (N x 3) probabilities, uncalibrated (softmax of the logits); ``device`` as
+    ``train.device`` (``model.build.device_for``)."""
+    from fedhisto.model.build import device_for
     from fedhisto.train.inference import predict
 
     torch.set_num_threads(max(threads, 1))
-    device = pick_device()
+    device = device_for(device)
     model = build_package_model(pkg, encoder_dir).to(device)
     split = Split([str(i) for i in range(len(images))], [0] * len(images), images)
     desc = None if descriptor is None else torch.tensor(descriptor, dtype=torch.float32)

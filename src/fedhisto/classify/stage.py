@@ -124,7 +124,8 @@ def label_metrics(labels: dict[str, int], rows: list[dict], probs: np.ndarray, r
 def run_classify(model: str | Path, images: str | Path, out: str | Path, descriptor: str | None = None,
                  calibrate: bool = True, labels: str | Path | None = None, encoder_dir: str | Path | None = None,
                  uncertain_below: float = UNCERTAIN_BELOW, max_megapixels: float = 100.0,
-                 contact_sheet: str | Path | None = None, resamples: int = 2000, threads: int = 1) -> dict:
+                 contact_sheet: str | Path | None = None, resamples: int = 2000, threads: int = 1,
+                 device: str = "auto") -> dict:
     from fedhisto.classify.runner import member_probabilities
     from fedhisto.classify.sheet import contact_sheet as write_sheet
 
@@ -144,7 +145,7 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
         log.info("classify: %d image(s) converted to 8-bit RGB on reading", len(decoded.converted)
                  - decoded.converted.count(""))
     desc, desc_label, desc_info = choose_descriptor(kind, decoded.paths, meta)
-    per_member = member_probabilities(pkg, decoded.images, desc, encoder_dir, threads)
+    per_member = member_probabilities(pkg, decoded.images, desc, encoder_dir, threads, device)
     raw = np.mean(list(per_member.values()), axis=0)
     temperature = meta["temperature"]["value"] if calibrate else None
     probs = apply_temperature(raw, temperature) if calibrate else raw

@@ -20,12 +20,15 @@ from fedhisto.registries.method_registry import registration, settings_blocks
 
 #: TrainConfig keys that choose which runs exist rather than how a run trains.
 RUN_LISTS = ("methods", "ablations", "seeds", "ablation_seeds", "comparator_seeds")
+#: TrainConfig keys that choose where and how fast a run computes, not what: a run resumed on another device,
+#: or with its views made by other threads, is the same run
+EXECUTION = ("device", "view_workers")
 
 
 def training_settings(cfg: Config, method: str) -> dict[str, Any]:
     """Engine settings plus the method family's own block; other families' blocks do not matter."""
     train = identity_dump(cfg.train)
-    for key in (*RUN_LISTS, *(set(settings_blocks()) - {registration(method).config_key})):
+    for key in (*RUN_LISTS, *EXECUTION, *(set(settings_blocks()) - {registration(method).config_key})):
         train.pop(key, None)
     return train
 

@@ -101,12 +101,27 @@ class TrainBase(Strict):
     compile: bool = Field(
         False, json_schema_extra=IF_CHANGED, description="[ours] torch.compile the encoder pass of the batched engine "
                        "(train.engine: batched only; the same math up to kernel fusion rounding)")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="[ours] where every torch stage (training, prediction, experiments, classify) computes: "
+                            "auto = the GPU the environment exposes, else the CPU, except that a job declaring a GPU "
+                            "(Snakemake resource gpu) stops, naming why no GPU is usable; cuda = a GPU or stop; "
+                            "cpu = the CPU, also in a job that declares a GPU. Where a run computes, not what: "
+                            "not part of any run's identity")
+    view_workers: int | None = Field(
+        None, ge=0, description="[ours] threads that make the next steps' host views while the device runs the step "
+                                "(fedhisto.train.view_workers; batched engine, default host views): null = on CUDA one "
+                                "per CPU the job may use less one, none on a CPU; 0 = off. The same pixels either "
+                                "way: not part of any run's identity")
 
     @model_validator(mode="after")
     def _compile_needs_the_batched_engine(self) -> TrainBase:
         if self.compile and self.engine != "batched":  # never silently ignored under the sequential engine
             raise ValueError(f"train.compile compiles the batched engine's encoder pass, but train.engine is "
                              f"{self.engine!r}; set train.engine: batched (or train.compile: false)")
+        if self.view_workers and (self.engine != "batched" or self.view_pipeline != "host"):  # nor are these
+            raise ValueError(f"train.view_workers: {self.view_workers} makes the batched engine's host views ahead, "
+                             f"but train.engine is {self.engine!r} and train.view_pipeline {self.view_pipeline!r}; "
+                             "set train.view_workers: null (or 0)")
         return self
 
 

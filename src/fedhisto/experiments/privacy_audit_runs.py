@@ -66,7 +66,7 @@ def audit_method(cfg: Config, condition: str, method_name: str, manifest_csv: st
     under that site's returned states, pool the sites' scores, measure utility."""
     a = cfg.experiments.privacy_audit
     c = privacy_audit_config(cfg, condition, method_name)
-    device = pick_device()
+    device = pick_device(c)
     method = build_method(method_name, c)
     parts = load_partitions(manifest_csv, c.views.crop_size)
     families = manifest_families(manifest_csv)

@@ -35,7 +35,7 @@ from fedhisto.experiments.framework import (
 )
 from fedhisto.experiments.layout import experiment_block
 from fedhisto.infra.atomic import write_csv, write_json
-from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.infra.provenance import provenance_block, runtime_block, write_sidecar
 from fedhisto.infra.settings_base import Strict, identity_dump
 
 STAGE = "experiments"
@@ -123,6 +123,7 @@ def probe_condition(cfg: Config, encoder: str, cohort_csv: str | Path, out_dir: 
     """One encoder condition's probe: ``probe.json`` and ``per_image.csv`` in ``out_dir``."""
     import torch
 
+    from fedhisto.model.build import pick_device
     from fedhisto.model.encoder import load_encoder
     from fedhisto.model.stain_probe import (
         clean_view,
@@ -136,6 +137,7 @@ def probe_condition(cfg: Config, encoder: str, cohort_csv: str | Path, out_dir: 
 
     torch.set_num_threads(max(threads, 1))
     c = condition_config(cfg, f"dose_response/{encoder}")
+    device = pick_device(c)  # the step declares the encoder's GPU: the embeddings are computed there
     x = cfg.experiments
     severities = list(x.dose_response.severities)
     rows = _tissues_by_severity(cohort_csv, severities)
@@ -146,10 +148,10 @@ def probe_condition(cfg: Config, encoder: str, cohort_csv: str | Path, out_dir: 
     measures, per_image = [], []
     labels = [r["label"] for r in rows[base]]  # the same tissue has one class at every severity
     paired = stain_sensitivity(model, list(zip(ids, images[base], strict=True)), c.views, x.probe.seed,
-                               x.resamples, x.bootstrap_seed, batch, labels)
+                               x.resamples, x.bootstrap_seed, batch, labels, device)
     measures.append({"measure": "paired_stain", "severity": base, **summary_of(paired)})
     per_image += per_image_rows(ids, paired, measure="paired_stain", severity=base)
-    clean = {s: embed(model, [clean_view(im, c.views) for im in images[s]], batch) for s in severities}
+    clean = {s: embed(model, [clean_view(im, c.views) for im in images[s]], batch, device) for s in severities}
     for s in severities[1:]:
         shifted = pair_sensitivity(clean[base], clean[s], x.resamples, x.bootstrap_seed, labels)
         measures.append({"measure": "shift", "severity": s, **summary_of(shifted)})
@@ -160,6 +162,7 @@ def probe_condition(cfg: Config, encoder: str, cohort_csv: str | Path, out_dir: 
                                     "model_encoder": identity_dump(c.model.encoder),
                                     "views": identity_dump(c.views), "resamples": x.resamples,
                                     "bootstrap_seed": x.bootstrap_seed}, inputs)
+    prov["runtime"] = runtime_block(device)  # where the embeddings were computed
     write_csv(out / "per_image.csv", per_image, PER_IMAGE_COLUMNS)
     write_sidecar(out / "per_image.csv", prov)
     summary = {"encoder": encoder, "model_encoder": c.model.encoder.name, "tissues": len(ids),

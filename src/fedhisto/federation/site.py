@@ -11,7 +11,8 @@ Models, the frozen encoder and decoded data are cached per process (``_MODELS``/
 actor) loads the encoder once per node and decodes the site's images once. Decoded images are
 also cached on the node's disk (node config ``cache-dir``), keyed by the SHA-256 of the manifest
 file, the site, the split and the decode size: a manifest that changes (any row, any image digest)
-is a new key and is decoded again, and a cache file whose recorded key differs is never used.
+is a new key and is decoded again, and a cache file whose recorded key differs is never used. The
+cache files are safetensors (arrays and JSON text), read as data: nothing in them can run code.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedhisto import CLASSES
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 _MODELS: dict[tuple, tuple[Strategy, FedHistoModel]] = {}
 _ENCODERS: dict[tuple, object] = {}  # (encoder config, folder digest) -> FrozenEncoder, before LoRA
 _DATA: dict[tuple, Split] = {}
-DATA_CACHE_FORMAT = 1
+DATA_CACHE_FORMAT = 2  # 2: safetensors (1 was a pickle)
 # what this process has built or decoded itself (not read from a cache): every reply's ``info`` carries
 # it, so a run shows which messages paid for a build (a warmed worker's messages: none)
 BUILT = {"encoders_built": 0, "models_built": 0, "images_decoded": 0}
@@ -174,29 +176,40 @@ def _decode(row: dict, site: str | None, crop_size: int) -> object:
 def _cache_file(cache_dir: str, manifest_bytes: bytes, site: str | None, split: str, crop_size: int) -> tuple[Path, str]:
     digest = hashlib.sha256(manifest_bytes).hexdigest()
     key = hashlib.sha256(json.dumps([DATA_CACHE_FORMAT, digest, site, split, 2 * crop_size]).encode()).hexdigest()
-    return Path(cache_dir) / f"decoded-{site or 'all'}-{split}-{key[:20]}.pt", key
+    return Path(cache_dir) / f"decoded-{site or 'all'}-{split}-{key[:20]}.safetensors", key
 
 
 def _read_cache(cache: tuple[Path, str]) -> Split | None:
+    """The cached images: a safetensors file (arrays, and JSON text for the key, ids and labels), so a file
+    put in the cache folder by anyone is read as data and never runs code."""
+    from safetensors import safe_open
+
     path, key = cache
     if not path.exists():
         return None
     try:
-        doc = torch.load(path, map_location="cpu", weights_only=False)
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+            if meta.get("key") != key:
+                log.warning("decoded-image cache %s belongs to another manifest: decoding again", path)
+                return None
+            ids, labels = json.loads(meta["ids"]), json.loads(meta["labels"])
+            images = [fh.get_tensor(f"image{i}") for i in range(len(ids))]
     except Exception as exc:  # a truncated or foreign file: decode again and overwrite it
         log.warning("decoded-image cache %s unreadable (%s): decoding again", path, exc)
         return None
-    if doc.get("key") != key:
-        log.warning("decoded-image cache %s belongs to another manifest: decoding again", path)
-        return None
-    return Split(doc["ids"], doc["labels"], doc["images"])
+    return Split(ids, labels, images)
 
 
 def _write_cache(cache: tuple[Path, str], data: Split) -> None:
+    from safetensors.numpy import save_file
+
     path, key = cache
     path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"image{i}": np.ascontiguousarray(img) for i, img in enumerate(data.images)}
+    meta = {"key": key, "ids": json.dumps(list(data.ids)), "labels": json.dumps([int(y) for y in data.labels])}
     with atomic_path(path) as tmp:
-        torch.save({"key": key, "ids": list(data.ids), "labels": list(data.labels), "images": list(data.images)}, tmp)
+        save_file(arrays, str(tmp), metadata=meta)
 
 
 def frozen_encoder(cfg: Config, encoder_dir: str, cache_dir: str = ""):
@@ -229,7 +242,7 @@ def site_model(cfg_json: str, method_name: str, seed: int, encoder_dir: str, thr
         cfg = config_from_json(cfg_json)
         method = build_method(method_name, cfg)
         model = build_model(cfg, method, seed, encoder_dir or None, encoder=frozen_encoder(cfg, encoder_dir, cache_dir))
-        _MODELS[key] = (method, model.to(pick_device()))
+        _MODELS[key] = (method, model.to(pick_device(cfg)))
         BUILT["models_built"] += 1
     return _MODELS[key]
 
@@ -241,7 +254,7 @@ class Site:
         self.sc, self.seed = sc, seed
         self.method, self.model = site_model(cfg_json, method_name, seed, sc.encoder_dir, sc.threads, sc.cache_dir)
         self.cfg = self.method.cfg
-        self.device = pick_device()
+        self.device = pick_device(self.cfg)
         doc = json.loads(Path(sc.descriptors).read_text()) if self.method.film else None
         try:
             self.descriptors = self.method.descriptors(doc, [sc.site])  # this site's and the centroid ("global")

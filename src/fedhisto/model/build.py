@@ -13,12 +13,70 @@ from fedhisto.infra.provenance import canonical_json, config_hash, digest_path
 from fedhisto.model.encoder import load_encoder
 from fedhisto.model.peft_model import FedHistoModel
 
+#: set by a Snakemake job (``fedhisto.entry.from_snakemake``) to the GPUs its rule declares (resource ``gpu``)
+JOB_GPUS = "FEDHISTO_JOB_GPUS"
 
-def pick_device() -> torch.device:
-    """From the environment (CUDA_VISIBLE_DEVICES as SLURM sets it); never assumes cuda:0 exists.
-    Turns deterministic algorithms on first (``set_determinism``)."""
+
+class DeviceUnavailable(RuntimeError):
+    """The run was told to use a GPU (``train.device: cuda``, or a job that declares one) and none is usable."""
+
+
+def declared_gpus() -> int:
+    """The GPUs this job declares: its Snakemake rule's ``gpu`` resource (authoritative when set, 0 too: a
+    CPU rule inside a GPU allocation declares none), else what SLURM allotted a job submitted by hand."""
+    for name in (JOB_GPUS, "SLURM_GPUS_ON_NODE"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def cuda_unavailable_cause() -> str | None:
+    """Why this process cannot use a CUDA GPU (the torch build, the visible devices, the driver), or None."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return (f"torch {torch.__version__} is built without CUDA (a CPU-only wheel); install a CUDA build of "
+                "torch (pytorch.org, 'Get started') into this environment")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
+        return (f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU from this process (did the scheduler give "
+                "the job a GPU?)")
+    try:
+        torch.cuda.init()  # raises with the driver's own reason
+    except Exception as exc:  # any failure to initialise CUDA is the cause reported
+        return (f"CUDA does not initialise with torch {torch.__version__} (built for CUDA {torch.version.cuda}): "
+                f"{str(exc).strip().splitlines()[0]} (no NVIDIA driver, or one older than the build needs)")
+    return f"torch finds no CUDA device ({torch.cuda.device_count()} visible)"
+
+
+def pick_device(cfg: Config | None = None) -> torch.device:
+    """The device of a torch stage, from ``train.device`` (``auto`` without a config): ``cpu``; ``cuda``,
+    which must be usable; ``auto``, CUDA when usable, else the CPU, except in a job that declares a GPU
+    (``declared_gpus``), which stops naming the cause instead of running for hours on one CPU thread.
+    The GPU is the one the environment exposes (CUDA_VISIBLE_DEVICES, as SLURM sets it); never assumes
+    cuda:0 exists. Turns deterministic algorithms on first (``set_determinism``)."""
+    return device_for(cfg.train.device if cfg is not None else "auto")
+
+
+def device_for(choice: str) -> torch.device:
+    """``pick_device`` for a ``train.device`` value (``fedhisto classify --device``)."""
     set_determinism()
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if choice not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device {choice!r}: allowed auto, cuda, cpu")
+    if choice == "cpu":
+        return torch.device("cpu")
+    cause = cuda_unavailable_cause()
+    if cause is None:
+        return torch.device("cuda")
+    if choice == "cuda":
+        raise DeviceUnavailable(f"train.device is cuda, but {cause}. Set train.device: cpu to run on the CPU.")
+    gpus = declared_gpus()
+    if gpus:
+        raise DeviceUnavailable(f"this job declares {gpus} GPU(s) (Snakemake resource gpu, or SLURM's allocation) "
+                                f"but no GPU is usable: {cause}. To run it on the CPU on purpose (hours for a "
+                                "foundation model), set train.device: cpu.")
+    return torch.device("cpu")
 
 
 def set_determinism() -> None:

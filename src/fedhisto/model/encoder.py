@@ -6,9 +6,10 @@ module names LoRA attaches to. The backbone itself (``.module``) is a plain tran
 module, so checkpoints keep the library's own tensor names.
 
 Loading is strict, from a local folder (``save_pretrained`` output or a hub snapshot) or the pinned
-hub revision: the checkpoint's keys are mapped from the hub's layout onto the built module
-(``families``), and a missing or surplus tensor, a wrong shape or a folder of another architecture
-is an ``EncoderLoadError`` naming the folder and the tensor, never a silent random initialisation.
+hub revision's snapshot in the local Hugging Face cache (``local_snapshot``: never downloaded by a
+job; ``model.snapshot`` fetches it once): the checkpoint's keys are mapped from the hub's layout onto the
+built module (``families``), and a missing or surplus tensor, a wrong shape or a folder of another architecture is an ``EncoderLoadError``
+naming the folder and the tensor, never a silent random initialisation.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from fedhisto.registries.encoder_registry import ENCODERS, EncoderEntry, encoder
 __all__ = ["ENCODERS", "EncoderLoadError", "FrozenEncoder", "load_encoder", "load_encoder_folder", "random_encoder"]
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+#: what a hub snapshot needs: the config and the weights (either format)
+HUB_FILES = ["*.json", "*.safetensors", "*.bin"]
 
 
 def pooled_embedding(entry: EncoderEntry, module: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -146,22 +149,33 @@ def load_encoder_folder(folder: str | Path, name: str, depth: int | None = None)
     return encoder
 
 
-def hub_snapshot(entry: EncoderEntry, repo_id: str, revision: str | None) -> Path:
-    """Download (or find in the local cache) the pinned revision of a hub repository."""
+def fetch_command(config: str | None) -> str:
+    return f"fedhisto fetch-encoder --config {config or '<your config>'}"
+
+
+def local_snapshot(entry: EncoderEntry, repo_id: str, revision: str | None, config: str | None = None) -> Path:
+    """The pinned revision's snapshot in the local Hugging Face cache; never downloads."""
     if revision is None:
         raise EncoderLoadError(f"encoder {entry.name!r}: no revision of {repo_id} is pinned ({entry.revision_note}); "
                                f"{entry.get_started()}")
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id=repo_id, revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.bin"]))
-    except Exception as exc:  # network, auth or missing revision: say which repository and revision
-        raise EncoderLoadError(f"cannot fetch {repo_id}@{revision}: {exc}; {entry.get_started()}") from exc
+        return Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_FILES,
+                                      local_files_only=True))
+    except Exception as exc:  # not in the cache (or a partial one): say what to run, and where
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise EncoderLoadError(
+            f"encoder {entry.name!r}: no local snapshot of {repo_id}@{revision} in the Hugging Face cache "
+            f"{HF_HUB_CACHE} ({type(exc).__name__}). Jobs never download: run `{fetch_command(config)}` once "
+            "where the hub is reachable (a login node), with the same HF_HOME as the jobs, or set "
+            "model.encoder.local_dir to a downloaded snapshot") from None
 
 
 def load_encoder(cfg: EncoderConfig, pretrained_dir: str | Path | None = None) -> FrozenEncoder:
-    """The frozen encoder: local folder, pipeline-pretrained tiny encoder, or pinned hub revision.
+    """The frozen encoder: local folder, pipeline-pretrained tiny encoder, or the pinned hub revision's
+    local snapshot (``model.snapshot``: fetched once by ``fedhisto fetch-encoder``; a job never downloads).
 
     ``pretrained_dir`` is the pipeline's own pretraining output (tiny encoder). With
     ``require_pretrained`` false a random encoder is allowed, only for an entry without a hub
@@ -172,7 +186,7 @@ def load_encoder(cfg: EncoderConfig, pretrained_dir: str | Path | None = None) -
     if folder is not None:
         encoder = load_encoder_folder(folder, cfg.name)
     elif entry.hub_id is not None:
-        encoder = load_encoder_folder(hub_snapshot(entry, cfg.repo_id, cfg.revision), cfg.name)
+        encoder = load_encoder_folder(local_snapshot(entry, cfg.repo_id, cfg.revision), cfg.name)
     elif cfg.require_pretrained:
         raise EncoderLoadError(f"encoder '{cfg.name}' requires pretrained weights: set model.encoder.local_dir "
                                "or let the pipeline pretrain it (model.pretrain.enabled)")

@@ -63,10 +63,16 @@ def frozen_embedding(encoder: FrozenEncoder, pixels: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def embed(encoder: FrozenEncoder, views: Sequence[torch.Tensor], batch: int = 64) -> np.ndarray:
-    """n x d float64 embeddings of normalised view tensors, in order."""
+def embed(encoder: FrozenEncoder, views: Sequence[torch.Tensor], batch: int = 64,
+          device: torch.device | None = None) -> np.ndarray:
+    """n x d float64 embeddings of normalised view tensors, in order, computed on ``device`` (default: where
+    the encoder is); the encoder is moved there once, each batch on its way."""
     encoder.module.eval()
-    out = [frozen_embedding(encoder, torch.stack(list(views[i:i + batch]))).double()
+    if device is None:
+        first = next(iter(encoder.module.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+    encoder.module.to(device)
+    out = [frozen_embedding(encoder, torch.stack(list(views[i:i + batch])).to(device, non_blocking=True)).double().cpu()
            for i in range(0, len(views), batch)]
     return torch.cat(out).numpy()
 
@@ -151,10 +157,12 @@ def pair_sensitivity(emb_a: np.ndarray, emb_b: np.ndarray, resamples: int, seed:
 
 def stain_sensitivity(encoder: FrozenEncoder, images: Sequence[tuple[str, np.ndarray]], cfg: ViewsConfig,
                       seed: int, resamples: int, bootstrap_seed: int, batch: int = 64,
-                      labels: Sequence | None = None) -> dict:
-    """The probe on ``images`` ((sample id, RGB uint8)): two seeded stain draws per image."""
+                      labels: Sequence | None = None, device: torch.device | None = None) -> dict:
+    """The probe on ``images`` ((sample id, RGB uint8)): two seeded stain draws per image, embedded on
+    ``device``."""
     pairs = [stain_pair(rgb, cfg, seed, sid) for sid, rgb in images]
-    emb_a, emb_b = embed(encoder, [a for a, _ in pairs], batch), embed(encoder, [b for _, b in pairs], batch)
+    emb_a = embed(encoder, [a for a, _ in pairs], batch, device)
+    emb_b = embed(encoder, [b for _, b in pairs], batch, device)
     return pair_sensitivity(emb_a, emb_b, resamples, bootstrap_seed, labels)
 
 
@@ -218,13 +226,17 @@ def run_probe(cfg: Config, images: str | Path, out_dir: str | Path, encoder_dir:
               bootstrap_seed: int = 20261201, threads: int = 1) -> dict:
     """``fedhisto probe-encoder``: the probe of ``cfg.model.encoder`` (or the tiny encoder in
     ``encoder_dir``) on a folder or CSV of images; writes ``probe.json`` and ``per_image.csv``."""
+    from fedhisto.model.build import pick_device
+
     torch.set_num_threads(max(threads, 1))
     listed = image_list(images, split, limit)
+    device = pick_device(cfg)  # the GPU a job declaring one holds (train.device)
     encoder = load_encoder(cfg.model.encoder, encoder_dir)
     loaded = [(sid, load_probe_image(path, cfg.views.crop_size)) for sid, path, _ in listed]
     labels = [label for *_, label in listed]
     result = stain_sensitivity(encoder, loaded, cfg.views, seed, resamples, bootstrap_seed, cfg.evaluate.eval_batch,
-                               labels=labels if all(labels) and len(set(labels)) < len(labels) else None)
+                               labels=labels if all(labels) and len(set(labels)) < len(labels) else None,
+                               device=device)
     out = Path(out_dir)
     block = {"encoder": identity_dump(cfg.model.encoder), "views": identity_dump(cfg.views),
              "seed": seed, "resamples": resamples, "bootstrap_seed": bootstrap_seed, "split": split, "limit": limit}

@@ -28,6 +28,7 @@ from fedhisto.model.build import build_model, pick_device
 from fedhisto.model.peft_model import FedHistoModel
 from fedhisto.stats.prediction_files import MEMBER_COLUMN, read_predictions, write_predictions
 from fedhisto.stats.temperature import apply_temperature, fit_temperature
+from fedhisto.train.checkpoint import ResumeRefused, read_checkpoint
 from fedhisto.train.inference import predict
 from fedhisto.train.stage import descriptors_for
 
@@ -44,7 +45,10 @@ def load_eligible_checkpoint(train_dir: Path, dataset_identity: str) -> tuple[di
     path = train_dir / "checkpoint.pt"
     if not path.exists():
         raise PredictionRefused(f"{path}: no checkpoint")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # plain data only: a swapped file with code in it is refused, never unpickled
+        ckpt = read_checkpoint(path)
+    except ResumeRefused as exc:
+        raise PredictionRefused(str(exc)) from None
     if ckpt["identity"]["dataset_identity"] != dataset_identity:
         raise PredictionRefused(f"{path}: dataset identity {ckpt['identity']['dataset_identity'][:12]} differs from "
                                 f"the manifest's {dataset_identity[:12]}; retrain on this manifest")
@@ -59,7 +63,7 @@ def load_run(method: str, seed: int, train_dir: Path, manifest_json: str | Path,
     """The run's method, its model on the device, the best state of each member, and the run status."""
     identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
     ckpt, status = load_eligible_checkpoint(train_dir, identity)
-    device = pick_device()
+    device = pick_device(cfg)
     m = build_method(method, cfg)
     model = build_model(cfg, m, seed, encoder_dir).to(device)
     return m, model, ckpt["best"]["members"], status, device

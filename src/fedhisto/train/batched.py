@@ -13,7 +13,7 @@ micro-batch step runs ONE forward/backward of the frozen encoder over all active
   stream (``Objective.restyle``);
 - loss terms per member come from the method's own ``batch_inputs`` / ``terms_from_outputs``, so
   the objective is the sequential one; the members' losses are summed (their gradients do not mix);
-- ``StackedAdamW``: torch.optim.AdamW's update per member, with per-member step counts and a mask of
+- ``StackedAdamW`` (``train.stacked_optim``): torch.optim.AdamW's update per member, with per-member step counts and a mask of
   the members that step now (``StackedSGD`` for a method whose schedule asks for plain SGD);
   gradient-norm clipping per member where the schedule clips (``clip_per_member``, the
   ``clip_grad_norm_`` formula over that member's tensors). A member whose epoch has fewer
@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,10 +41,10 @@ import torch.nn.functional as F
 
 from fedhisto.config.study import Config
 from fedhisto.fedmath.lora_aggregators.fold import split_folded
-from fedhisto.methods.base import Batch, restyle_views
+from fedhisto.methods.base import Batch, BatchInputs, restyle_views
 from fedhisto.methods.objective import Objective
 from fedhisto.model.peft_model import FedHistoModel
-from fedhisto.train.optimizer_state import OptimizerState, check_names, keeps_state
+from fedhisto.train.optimizer_state import keeps_state
 from fedhisto.train.plan import (
     LocalResult,
     LossMeans,
@@ -55,6 +56,11 @@ from fedhisto.train.plan import (
     seed_round,
     steps_now,
 )
+from fedhisto.train.stacked_optim import STACKED_OPTIMIZERS, StackedAdamW, StackedSGD, clip_per_member
+from fedhisto.train.view_workers import StepsAhead, step_views, view_workers
+
+__all__ = ["STACKED_OPTIMIZERS", "Layout", "StackedAdamW", "StackedSGD", "batched_local_train", "clip_per_member",
+           "compiled_embedding", "member_pathway", "stack_states", "stacked_forward"]
 
 
 @dataclass
@@ -70,123 +76,16 @@ class Layout:
     def uniform(self) -> bool:
         return len(set(self.sizes)) == 1
 
+    def clear(self) -> None:
+        """Empty, for the next step's groups: the engine keeps one ``Layout`` per round, which the member
+        pathway (patched once per round) reads at every pass."""
+        self.members, self.sizes, self.specs, self.index = [], [], [], None
+
     def spans(self) -> Iterator[tuple[int, int, int]]:
         start = 0
         for m, n in zip(self.members, self.sizes, strict=True):
             yield m, start, start + n
             start += n
-
-
-# ---------------------------------------------------------------------------- optimiser
-class StackedAdamW:
-    """torch.optim.AdamW (amsgrad off) over member-stacked tensors, one step count per member.
-
-    ``step(mask)`` updates only the members where ``mask`` is true, exactly as AdamW would for each:
-    p <- p (1 - lr wd); m <- lerp(m, g, 1 - b1); v <- b2 v + (1 - b2) g^2;
-    p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps).
-    """
-
-    def __init__(self, params: dict[str, torch.Tensor], lr: float, weight_decay: float,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        self.params = params
-        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        first = next(iter(params.values()))
-        self.steps = torch.zeros(first.shape[0], dtype=torch.float64, device=first.device)
-        self.exp_avg = {n: torch.zeros_like(p) for n, p in params.items()}
-        self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in params.items()}
-
-    @torch.no_grad()
-    def load_members(self, states: Sequence[OptimizerState | None], where: Sequence[str]) -> None:
-        """Each member's kept state (None: fresh). One step count per member: its tensors stepped together."""
-        shapes = {n: tuple(p.shape[1:]) for n, p in self.params.items()}
-        for m, state in enumerate(states):
-            if not state:
-                continue
-            check_names(state, shapes, where[m])
-            steps = {float(s["step"]) for s in state.values()}
-            if len(steps) != 1 or set(state) != set(self.params):
-                raise ValueError(f"{where[m]}: the batched engine keeps one step count per member, but the kept "
-                                 f"state has step counts {sorted(steps)} over {len(state)} of {len(self.params)} "
-                                 "tensors")
-            self.steps[m] = steps.pop()
-            for n, s in state.items():
-                self.exp_avg[n][m] = s["exp_avg"].to(self.exp_avg[n].device, self.exp_avg[n].dtype)
-                self.exp_avg_sq[n][m] = s["exp_avg_sq"].to(self.exp_avg_sq[n].device, self.exp_avg_sq[n].dtype)
-
-    def member_state(self, m: int) -> OptimizerState:
-        """Member ``m``'s state in the engine-neutral form (CPU copies), as torch's AdamW would hold it."""
-        if self.steps[m] == 0:
-            return {}  # never stepped: torch would hold no state either
-        return {n: {"step": float(self.steps[m]), "exp_avg": self.exp_avg[n][m].detach().cpu().clone(),
-                    "exp_avg_sq": self.exp_avg_sq[n][m].detach().cpu().clone()} for n in self.params}
-
-    @torch.no_grad()
-    def step(self, mask: torch.Tensor) -> None:
-        b1, b2 = self.betas
-        self.steps += mask.to(self.steps.dtype)
-        t = self.steps.clamp(min=1)
-        # in float64 as AdamW's Python scalars, then float32 as the kernels see them
-        step_size = (self.lr / (1 - b1 ** t)).float()
-        bc2_sqrt = (1 - b2 ** t).sqrt().float()
-        decay = 1 - self.lr * self.weight_decay
-        for n, p in self.params.items():
-            shape = (-1,) + (1,) * (p.dim() - 1)
-            keep = mask.view(shape)
-            g = p.grad
-            decayed = p * decay
-            m = torch.lerp(self.exp_avg[n], g, 1 - b1)
-            v = self.exp_avg_sq[n] * b2 + (1 - b2) * g * g
-            denom = v.sqrt() / bc2_sqrt.view(shape) + self.eps
-            new = decayed - step_size.view(shape) * m / denom
-            p.copy_(torch.where(keep, new, p))
-            self.exp_avg[n] = torch.where(keep, m, self.exp_avg[n])
-            self.exp_avg_sq[n] = torch.where(keep, v, self.exp_avg_sq[n])
-
-    @torch.no_grad()
-    def zero_grad(self, mask: torch.Tensor) -> None:
-        for p in self.params.values():
-            if p.grad is not None:
-                p.grad.masked_fill_(mask.view((-1,) + (1,) * (p.dim() - 1)), 0.0)
-
-
-class StackedSGD:
-    """torch.optim.SGD without momentum over member-stacked tensors: p <- p - lr (g + wd p) for the
-    members in ``mask``; stateless, as torch's SGD without momentum (a kept reading keeps nothing)."""
-
-    def __init__(self, params: dict[str, torch.Tensor], lr: float, weight_decay: float) -> None:
-        self.params, self.lr, self.weight_decay = params, lr, weight_decay
-
-    def load_members(self, states: Sequence[OptimizerState | None], where: Sequence[str]) -> None:
-        for m, state in enumerate(states):
-            if state:
-                raise ValueError(f"{where[m]}: plain SGD keeps no optimiser state, but one was passed")
-
-    def member_state(self, m: int) -> OptimizerState:
-        return {}
-
-    @torch.no_grad()
-    def step(self, mask: torch.Tensor) -> None:
-        for p in self.params.values():
-            g = p.grad if self.weight_decay == 0 else p.grad + self.weight_decay * p
-            p.copy_(torch.where(mask.view((-1,) + (1,) * (p.dim() - 1)), torch.add(p, g, alpha=-self.lr), p))
-
-    zero_grad = StackedAdamW.zero_grad
-
-
-STACKED_OPTIMIZERS = {"adamw": StackedAdamW, "sgd": StackedSGD}
-
-
-@torch.no_grad()
-def clip_per_member(params: dict[str, torch.Tensor], max_norm: float, mask: torch.Tensor) -> torch.Tensor:
-    """``clip_grad_norm_`` per member over that member's slices, for the members in ``mask``:
-    total = ||(||g_1||, ||g_2||, ...)||, g <- g * min(1, max_norm / (total + 1e-6)). Returns the norms."""
-    grads = [p.grad for p in params.values()]
-    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), 2, dim=1) for g in grads])  # (tensors, M)
-    total = torch.linalg.vector_norm(norms, 2, dim=0)
-    coef = torch.where(mask, (max_norm / (total + 1e-6)).clamp(max=1.0), torch.ones_like(total))
-    for g in grads:
-        g.mul_(coef.view((-1,) + (1,) * (g.dim() - 1)).to(g.dtype))
-    return total
 
 
 # ---------------------------------------------------------------------------- forward
@@ -310,11 +209,12 @@ def _compiled_pass() -> Callable:
 
 def compiled_embedding(model: FedHistoModel) -> Callable[[torch.Tensor], torch.Tensor]:
     """``train.compile``: ``torch.compile`` of the encoder pass (LoRA members patched in), forward and
-    backward. The member heads stay eager (a few small matmuls per member). Dynamo guards on the
-    patched forwards' code, not on the closures built each step, so a graph is reused while the
-    step's row layout repeats; a new layout (fewer active members, a short last micro-batch)
-    compiles once more. One wrapper for the process (graphs are cached per model by dynamo's
-    guards), so every round of a run reuses the graphs compiled in its first round."""
+    backward. The member heads stay eager (a few small matmuls per member). The engine patches the
+    encoder once per round and refills one ``Layout`` per step; dynamo guards on the patched forwards'
+    code and the layout's values, so a graph is reused while the row layout repeats (no new graph
+    after a layout's first step, tests/test_gpu_path.py); a new layout (fewer active members, a short
+    last micro-batch) compiles once more. One wrapper for the process (graphs are cached per model by
+    dynamo's guards), so every round of a run reuses the graphs compiled in its first round."""
     compiled = _compiled_pass()
     return lambda pixels: compiled(model, pixels)
 
@@ -370,22 +270,34 @@ def batched_local_train(method: Objective, model: FedHistoModel, jobs: Sequence[
     updates = [0] * n_members
     autocast = runs[0].autocast
     embed = compiled_embedding(model) if cfg.train.compile else None
+    # the encoder is patched once per round (member LoRA, member restyling), not per step: the patched
+    # forwards and the restyle hook read this one layout, refilled at every step
+    layout = Layout()
     with ExitStack() as stack:
         for run in runs:
             stack.enter_context(method.local_session(run))
+        stack.enter_context(member_pathway(model, method, params, layout))
+        workers = view_workers(cfg.train.view_workers, device, "batched", cfg.train.view_pipeline)
+        pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="views")) if workers else None
         for epoch in range(plan.epochs):
             batches = [epoch_batches(j, epoch, plan.micro_batch) for j in jobs]
-            for b in range(max(len(x) for x in batches)):
+            n_steps = max(len(x) for x in batches)
+            ahead = StepsAhead(functools.partial(step_views, method, cfg, jobs, runs, batches, plan, epoch, pool,
+                                                 device.type == "cuda"), n_steps, workers)
+            stack.callback(ahead.close)
+            for b in range(n_steps):
                 active = [m for m in range(n_members) if b < len(batches[m])]
                 members_batches: dict[int, Batch] = {}
                 inputs = {}
                 slices = {n: p.unbind(0) for n, p in params.items()}
+                made = ahead.get(b)  # host views made by the view workers while earlier steps ran
                 for m in active:
                     runs[m].params = {n: s[m] for n, s in slices.items()}
                     members_batches[m] = batch_of(jobs[m], plan, epoch, b, batches[m][b], device)
-                    inputs[m] = method.batch_inputs(runs[m], members_batches[m])
+                    inputs[m] = (BatchInputs(made[m]) if made is not None
+                                 else method.batch_inputs(runs[m], members_batches[m]))
                 n_views = len(inputs[active[0]].views)
-                layout = Layout()
+                layout.clear()
                 pixels = []
                 for k in range(n_views):  # view-major: a member's views keep their order in the pass
                     for m in active:
@@ -397,7 +309,8 @@ def batched_local_train(method: Objective, model: FedHistoModel, jobs: Sequence[
                 layout.index = torch.tensor(layout.members, device=device)
                 x = torch.cat(pixels).to(device, non_blocking=True)
                 with autocast():
-                    logits, zs = stacked_forward(model, method, params, layout, x, descriptors, embed=embed)
+                    logits, zs = stacked_forward(model, method, params, layout, x, descriptors, patched=True,
+                                                 embed=embed)
                 logits, zs = logits.float(), zs.float()
                 per_member: dict[int, tuple[list, list]] = {m: ([], []) for m in active}
                 for m, s, e in layout.spans():

@@ -21,13 +21,13 @@ names the client and round.
 
 Every random draw of round t derives from (seed, t, participant), so resuming from the checkpoint of
 round t replays rounds t+1.. exactly: on one machine and build the resumed run is bitwise the
-uninterrupted one.
+uninterrupted one. The checkpoint (``train.checkpoint``) is plain data read without unpickling code, and
+a resumed run's states go back on the device the model is on.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,22 +38,23 @@ import torch
 
 from fedhisto.config.study import Config
 from fedhisto.fedmath.aggregate import flat_update
-from fedhisto.infra.atomic import atomic_path
 from fedhisto.infra.progress import Progress
 from fedhisto.methods.base import RoundUpdate
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.train.checkpoint import (
+    CHECKPOINT_FORMAT,
+    IDENTITY_KEYS,
+    ResumeRefused,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedhisto.train.local import LocalResult
 
 State = dict[str, torch.Tensor]
 
 log = logging.getLogger(__name__)
-CHECKPOINT_FORMAT = 2
-IDENTITY_KEYS = ("method", "seed", "config_hash", "dataset_identity", "descriptor_digest", "encoder_digest")
-
-
-class ResumeRefused(RuntimeError):
-    """A checkpoint belongs to another method, seed, configuration, dataset, descriptor set or encoder."""
+__all__ = ["CHECKPOINT_FORMAT", "IDENTITY_KEYS", "ResumeRefused", "load_checkpoint", "save_checkpoint"]
 
 
 class ClientUnavailable(RuntimeError):
@@ -77,27 +78,10 @@ class RunStopped(RuntimeError):
     far stand, the checkpoint records why (``stop_reason``) and the run is finalised as stopped."""
 
 
-def save_checkpoint(path: Path, ckpt: dict) -> None:
-    ckpt = {**ckpt, "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                            "torch": torch.get_rng_state()}}
-    with atomic_path(path) as tmp:
-        torch.save(ckpt, tmp)
-
-
-def load_checkpoint(path: Path, identity: dict) -> dict | None:
-    if not path.exists():
-        return None
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ResumeRefused(f"{path}: checkpoint format {ckpt.get('format')} is not {CHECKPOINT_FORMAT}")
-    differ = [k for k in IDENTITY_KEYS if ckpt["identity"].get(k) != identity[k]]
-    if differ:
-        detail = "; ".join(f"{k}: checkpoint {ckpt['identity'].get(k)!r} vs run {identity[k]!r}" for k in differ)
-        raise ResumeRefused(f"{path}: refusing to resume, {detail}. Delete it to start over.")
-    random.setstate(ckpt["rng"]["python"])
-    np.random.set_state(ckpt["rng"]["numpy"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    return ckpt
+def model_device(model: FedHistoModel) -> torch.device:
+    """Where the run computes: the device of the model's trainable tensors."""
+    params = list(model.parameters())
+    return next((p for p in params if p.requires_grad), params[0]).device
 
 
 def fresh_checkpoint(model: FedHistoModel, method: Strategy, participants: list[str], identity: dict) -> dict:
@@ -108,9 +92,9 @@ def fresh_checkpoint(model: FedHistoModel, method: Strategy, participants: list[
             "bad_rounds": 0, "stopped": False, "history": []}
 
 
-def start_or_resume(path: Path, identity: dict, fresh) -> dict:
-    """The checkpoint to continue from (its resume recorded), or ``fresh()``."""
-    ckpt = load_checkpoint(path, identity)
+def start_or_resume(path: Path, identity: dict, fresh, device: torch.device | None = None) -> dict:
+    """The checkpoint to continue from (its resume recorded; its states on ``device``), or ``fresh()``."""
+    ckpt = load_checkpoint(path, identity, device)
     if ckpt is None:
         return fresh()
     log.info("resuming %s seed %d from %s after round %d", identity["method"], identity["seed"], path, ckpt["round"])
@@ -218,7 +202,8 @@ def run_rounds(method: Strategy, parts: Participants, model: FedHistoModel, cfg:
     matches. ``after_round(ckpt)`` runs after each round's checkpoint; ``stop_after_round`` simulates a
     kill (tests)."""
     t = cfg.train
-    ckpt = start_or_resume(checkpoint, identity, lambda: fresh_checkpoint(model, method, parts.names, identity))
+    ckpt = start_or_resume(checkpoint, identity, lambda: fresh_checkpoint(model, method, parts.names, identity),
+                           model_device(model))
     restore = getattr(parts, "restore", None)
     if restore is not None:
         restore(ckpt.get("participants"))

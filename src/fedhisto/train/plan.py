@@ -105,7 +105,12 @@ def batch_of(job: MemberJob, plan: LocalSchedule, epoch: int, number: int, idx: 
              device: torch.device) -> Batch:
     """Micro-batch ``number`` of ``epoch``: its indices, labels, and the view epoch that seeds its views."""
     y = torch.tensor([job.data.labels[i] for i in idx], device=device)
-    return Batch(idx, y, epoch, job.round_idx * plan.epochs + epoch, number)
+    return Batch(idx, y, epoch, view_epoch(job, plan, epoch), number)
+
+
+def view_epoch(job: MemberJob, plan: LocalSchedule, epoch: int) -> int:
+    """The epoch that seeds a batch's views: distinct for every local epoch of every round."""
+    return job.round_idx * plan.epochs + epoch
 
 
 def steps_now(number: int, n_batches: int, accumulation: int) -> bool:

@@ -154,7 +154,7 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(threads, 1))
-    device = pick_device()
+    device = pick_device(cfg)
     m = build_method(method, cfg)
     dataset_identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
     # training reads the clients' optimisation sets and the global validation set only: decoding the
