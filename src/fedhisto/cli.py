@@ -441,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_parsers(sub)
     _federation_parsers(sub)
     _site_local_parsers(sub)
+    from fedhisto.records.record_blocks import add_parser as records_parser
+
+    records_parser(sub)
 
     p = sub.add_parser("bench", help="pairs/s (sequential vs batched engine), inference images/s, peak memory, "
                                      "ratio to a matmul peak measured in the same run")
