@@ -1,5 +1,5 @@
-"""Record how far every method, LoRA aggregator and mechanism is from its independent reference, and
-render the methods guide's table of it.
+"""Record how far every method, LoRA aggregator and mechanism is from its independent reference, and write
+the methods guide's table of it.
 
 Usage::
 
@@ -10,9 +10,10 @@ The reference tests (``tests/test_reference_*.py``) each measure their largest d
 project did not write (Flower, peft, Opacus, scikit-learn) or from a paper's equations written in the
 test; with ``FEDHISTO_REFERENCE_RECORD`` naming a file they record it there. This script runs them with
 that variable set (refusing to record unless they pass; a known defect's strict xfail counts as passing
-and is recorded with its reason), writes the record to ``benchmarks/records/reference_differences.json``
-and the table between the ``generated:reference_differences`` lines of ``docs/methods.md``.
-:func:`render` is the table as a plain function of the record.
+and is recorded with its reason), writes the record, stamped with the commit, day and host, to
+``benchmarks/records/reference_differences.json``, and writes the ``reference_differences`` block of the
+guides as ``fedhisto records`` does (the block is registered in ``fedhisto.registries.record_registry``;
+its renderer is :func:`fedhisto.records.reference_table.render`, re-exported here as :func:`render`).
 """
 
 from __future__ import annotations
@@ -20,42 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
+
+from fedhisto.records.reference_table import KIND_ORDER, render  # noqa: F401  (the table, as a plain function)
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD = REPO / "benchmarks/records/reference_differences.json"
 GUIDE = REPO / "docs/methods.md"
 BLOCK = "reference_differences"
-KIND_ORDER = {"method": 0, "aggregator": 1, "mechanism": 2}
 LIBRARIES = ("torch", "numpy", "scipy", "scikit-learn", "flwr", "peft", "opacus")
-
-
-def _rows(record: dict) -> list[dict]:
-    return sorted(record["references"], key=lambda r: (KIND_ORDER[r["kind"]], r["name"], r["test"], r["reference"]))
-
-
-def _difference(entry: dict) -> str:
-    d = entry["max_difference"]
-    text = "0" if d == 0 else f"{d:.1e}"
-    if entry.get("known_defect"):
-        text += f" (known defect, expected to fail: {entry['known_defect']})"
-    return text
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")  # a bar inside a cell (a norm) would split it
-
-
-def render(record: dict) -> str:
-    """The methods guide's table (Markdown, without the delimiting lines) of a reference record."""
-    lines = ["| Method or aggregator | Reference | Max difference | Test |", "|---|---|---|---|"]
-    for r in _rows(record):
-        name = f"`{r['name']}`" if r["kind"] == "method" else f"`{r['name']}` ({r['kind']})"
-        lines.append(f"| {name} | {_cell(r['reference'])} | {_cell(_difference(r))} | `{r['test']}` |")
-    return "\n".join(lines) + "\n"
 
 
 def replace_block(text: str, name: str, markdown: str) -> str:
@@ -79,6 +58,23 @@ def _versions() -> dict[str, str]:
     return {"python": sys.version.split()[0], **{lib: version(lib) for lib in LIBRARIES}}
 
 
+def _stamp() -> dict[str, str]:
+    """The commit (``+dirty`` with uncommitted changes), the time and the host (CPU model, SIMD level)."""
+    import torch
+
+    from fedhisto.infra.provenance import runtime_block
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    cpu = runtime_block().get("cpu") or platform.machine()
+    return {"commit": commit, "made_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "host": f"{cpu} ({torch.backends.cpu.get_cpu_capability()})"}
+
+
 def record_references() -> dict:
     """Run ``pytest -m reference`` with recording on; the record, or SystemExit when a test failed."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +90,7 @@ def record_references() -> dict:
     return {"about": "Largest difference of each method, LoRA aggregator and mechanism from its independent "
                      "reference, measured by tests/test_reference_*.py; written by "
                      "`python benchmarks/reference_differences.py`",
-            "recorded_with": _versions(),
+            **_stamp(), "recorded_with": _versions(),
             "references": sorted(entries, key=lambda r: (KIND_ORDER[r["kind"]], r["name"], r["test"], r["reference"]))}
 
 
@@ -103,15 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--render-only", action="store_true",
                         help="re-render the guide's table from the committed record, running no test")
     args = parser.parse_args(argv)
-    from fedhisto.infra.atomic import write_json, write_text
+    from fedhisto.infra.atomic import write_json
+    from fedhisto.records.record_blocks import write_guides
 
     if args.render_only:
         record = json.loads(RECORD.read_text())
     else:
         record = record_references()
         write_json(RECORD, record)
-    write_text(GUIDE, replace_block(GUIDE.read_text(), BLOCK, render(record)))
-    print(f"{len(record['references'])} references; table written to {GUIDE.relative_to(REPO)}")
+    written = write_guides(REPO, only={BLOCK})
+    print(f"{len(record['references'])} references; block {BLOCK} written to "
+          f"{', '.join(str(p.relative_to(REPO)) for p in written) or 'no guide (already up to date)'}")
 
 
 if __name__ == "__main__":

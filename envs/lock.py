@@ -8,6 +8,11 @@ locks keep its pins as constraints (the zoo and CUDA locks all but torch's), so 
 has one version in both. uv keeps the versions a lock already pins; `--upgrade` re-resolves every lock
 to the newest releases the ranges allow.
 
+Python 3.11's venv brings pip 23.2, whose hash-checking mode counts a dependency that another pinned
+package asks for with extras (flwr needs ``sqlalchemy[asyncio]``) as unpinned unless the lock also pins it
+with those extras: each such package gets a second entry, ``name[extras]==version`` with the same hashes,
+found by asking uv for the same resolution with its extras kept (``--no-strip-extras``).
+
 The CPU build of torch (`2.13.0+cpu`) is not on PyPI, which has only the CUDA build of each release: it
 comes from `--torch-cpu-from` (a folder or page of wheels: /opt/wheels, where the CI machines keep
 it, else PyTorch's CPU wheel page), and its hash is that file's.
@@ -106,6 +111,34 @@ def compile_lock(name: str, constraints: list[str], torch_cpu_from: str, upgrade
     # the requirement and constraint files are temporary ones: name where they come from instead
     text = re.sub(r"(#\s+(via )?)-[rc] /tmp/\S+\.(in|txt)\n", r"\1envs/lock.py\n", out.read_text())
     out.write_text(head + text)
+    pin_requested_extras(name, out, torch_cpu_from)
+
+
+ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+) \\\n((?:    --hash=\S+(?: \\)?\n)+)", flags=re.M)
+
+
+def pin_requested_extras(name: str, out: Path, torch_cpu_from: str) -> None:
+    """Give every package the resolution asks for with extras (uv's ``--no-strip-extras`` names them, under the
+    lock's own pins) a second entry, ``name[extras]==version`` with the first's hashes."""
+    _, extras, extra_reqs, build = LOCKS[name]
+    text = out.read_text()
+    entries = {m.group(1).lower(): m for m in ENTRY.finditer(text)}
+    with tempfile.TemporaryDirectory() as tmp:
+        named = Path(tmp) / "extras.txt"
+        uv_compile(["--no-strip-extras", "--no-header", "--no-annotate", "-o", str(named)], build, torch_cpu_from,
+                   extras, extra_reqs, pins(out))
+        asked = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]+\])==(\S+)", named.read_text(), flags=re.M)
+    for dist, wanted, version in asked:
+        wanted = wanted.replace(" ", "")
+        m = entries.get(dist.lower())
+        if m is None or m.group(2) != version:
+            raise SystemExit(f"envs/lock.py: {dist}{wanted}=={version} asked for, but envs/{name}.txt pins "
+                             f"{m.group(0).splitlines()[0] if m else 'no ' + dist}")
+        second = (f"{m.group(1)}{wanted}=={version} \\\n{m.group(3)}"
+                  "    # via pip 23.2's hash-checking mode (the same files, asked for with these extras)\n")
+        after = re.compile(re.escape(m.group(0)) + r"(?:    #.*\n)*").search(text).end()  # past its "# via" lines
+        text = text[:after] + second + text[after:]
+    out.write_text(text)
 
 
 def write_conda(lock: Path) -> None:

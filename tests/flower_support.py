@@ -41,6 +41,8 @@ class LocalGrid:
         self.node_configs, self.run_config, self.named = node_configs, run_config, named
         self.down: set[int] = set()
         self._ids = itertools.count(1)
+        self.states: dict[int, object] = {}  # each node's Context.state, kept between messages as a SuperNode does
+        self.on_message = None  # tests: called with each message before delivery (e.g. to take a node down)
 
     def get_nodes(self):
         from types import SimpleNamespace
@@ -57,6 +59,8 @@ class LocalGrid:
         for m in messages:
             m.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
             nid = m.metadata.dst_node_id
+            if self.on_message is not None:
+                self.on_message(m)
             if nid in self.down:
                 continue
             node_config = self.node_configs[nid]
@@ -69,8 +73,11 @@ class LocalGrid:
                                   {k: v for k, v in node_config.items() if k != "worker"}, self.run_config)
                 replies.append(Message(content, reply_to=m))
                 continue
-            ctx = Context(run_id=1, node_id=nid, node_config=node_config, state=RecordDict(),
-                          run_config=self.run_config)
+            from fedhisto.federation.envelope import seal, unseal
+
+            m.content = unseal(seal(m.content))  # a copy, as the wire gives each node its own (Flower's mods mutate it)
+            ctx = Context(run_id=1, node_id=nid, node_config=node_config,
+                          state=self.states.setdefault(nid, RecordDict()), run_config=self.run_config)
             replies.append(app(m, ctx))
         return replies
 

@@ -361,6 +361,36 @@ def test_readme_use_the_model_commands_run(run, repo):
     assert len(rows) == 32 and list(rows[0])[:5] == ["image", "p_ACA", "p_Normal", "p_SCC", "label"]
 
 
+def test_export_takes_the_runs_own_configfile_list_later_files_win(run, tmp_path, capsys):
+    """`fedhisto export --configfile A B` reads the config as `snakemake --configfile A B` did: B laid over A,
+    over nothing else. A alone names seeds that never trained (refused, naming the missing seed); A then B
+    is the run's config, and the package equals the one made from that config as one file."""
+    from fedhisto.cli import main
+
+    base, overlay = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    wrong = copy.deepcopy(_tiny_two_seeds())
+    wrong["train"].update(seeds=[99], ablation_seeds=[99])
+    base.write_text(yaml.safe_dump(wrong))
+    overlay.write_text(yaml.safe_dump({"train": {"seeds": SEEDS, "ablation_seeds": SEEDS}}))
+    paths = ["--train", str(run["work"] / "results/train"), "--predictions", str(run["work"] / "results/predictions"),
+             "--descriptors", str(run["work"] / "results/stain/descriptors.json"),
+             "--manifest-json", str(run["work"] / "results/manifest/manifest.json")]
+    assert main(["export", "--out", str(tmp_path / "reversed"), "--configfile", str(overlay), str(base), *paths]) == 2
+    assert "seed99" in capsys.readouterr().err and not (tmp_path / "reversed").exists()
+    assert main(["export", "--out", str(tmp_path / "pkg"), "--configfile", str(base), str(overlay), *paths]) == 0
+    one = tmp_path / "one.yaml"
+    one.write_text(yaml.safe_dump(_tiny_two_seeds()))
+    assert main(["export", "--out", str(tmp_path / "one"), "--config", str(one), *paths]) == 0
+    members = sorted(p.relative_to(tmp_path / "one").as_posix() for p in (tmp_path / "one/members").rglob("*"))
+    assert members == sorted(p.relative_to(tmp_path / "pkg").as_posix() for p in (tmp_path / "pkg/members").rglob("*"))
+    for name in members:
+        if (tmp_path / "one" / name).is_file():
+            assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "pkg" / name).read_bytes(), name
+    assert main(["export", "--out", str(tmp_path / "both"), "--config", str(one), "--configfile", str(base),
+                 *paths]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
 def planned_jobs(snakemake_bin: str, repo: Path, workdir: Path, *extra: str) -> dict[str, int]:
     """Rule -> job count of a dry run of ``all`` (Snakemake's job-stats table)."""
     proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(workdir), "-n", "--quiet",

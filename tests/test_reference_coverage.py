@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 from reference_record import KINDS, RECORD_ENV, REPO, Reference, reference_modules
@@ -91,16 +92,23 @@ def test_the_record_holds_every_declared_reference_and_nothing_else():
 
 @recording
 def test_the_methods_guide_table_is_the_records():
+    """The guide's block is `fedhisto records`' rendering of the committed record (the same renderer the
+    benchmark script re-exports), and it names every registered method and aggregator."""
+    from fedhisto.records.record_blocks import render_block
+
     module = renderer()
     record = json.loads(RECORD.read_text())
     table = module.render(record)
-    assert module.block(GUIDE.read_text(), module.BLOCK) == table, (
-        "docs/methods.md's reference table differs from the record: run "
-        "`python benchmarks/reference_differences.py --render-only`")
-    for name in registered_methods():
-        assert f"| `{name}` |" in table, f"method {name} is missing from the methods guide's reference table"
-    for name in registered_aggregators():
-        assert f"| `{name}` (aggregator) |" in table, f"aggregator {name} is missing from the table"
+    shown = module.block(GUIDE.read_text(), module.BLOCK)
+    assert shown == render_block(module.BLOCK, REPO) and shown.endswith(table), (
+        "docs/methods.md's reference table differs from the record: run `fedhisto records` "
+        "(or `python benchmarks/reference_differences.py --render-only`)")
+    named = {kind: set() for kind in ("method", "aggregator")}
+    for first in re.findall(r"^\| (.+?) \| ", table, flags=re.M)[1:]:
+        kind = re.search(r" \((aggregator|mechanism)\)$", first)
+        named.setdefault(kind.group(1) if kind else "method", set()).update(re.findall(r"`([^`]+)`", first))
+    assert set(registered_methods()) <= named["method"], set(registered_methods()) - named["method"]
+    assert set(registered_aggregators()) <= named["aggregator"], set(registered_aggregators()) - named["aggregator"]
 
 
 def test_the_renderer_states_known_defects_and_exact_zeros():
@@ -112,6 +120,9 @@ def test_the_renderer_states_known_defects_and_exact_zeros():
     assert table.splitlines()[2:] == [
         "| `m` | r | 0 | `tests/t.py::test_x` |",
         "| `m` (aggregator) | r | 1.2e-01 (known defect, expected to fail: a bug) | `tests/t.py::test_x` |"]
+    shared = module.render({"references": [{**entry, "name": n, "max_difference": 0.5, "known_defect": None}
+                                            for n in ("b", "a")]})
+    assert shared.splitlines()[2:] == ["| `a`, `b` | r | 5.0e-01 | `tests/t.py::test_x` |"]  # one row, both names
     bars = module.render({"references": [{**entry, "reference": "(mu/2) ||w||^2", "max_difference": 1.0,
                                           "known_defect": None}]})
     assert "| (mu/2) \\|\\|w\\|\\|^2 |" in bars  # a norm's bars would split the cell

@@ -117,7 +117,8 @@ def test_without_a_configfile_config_overrides_still_lay_over_the_embedded_defau
                                                                                      tmp_path: Path):
     (tmp_path / "config").mkdir()
     (tmp_path / "config/config.yaml").write_text((REPO / "config/config.yaml").read_text())  # the workdir's default
-    proc = _snakemake(snakemake_bin, tmp_path, "-n", "--quiet", "rules", "all", "--config",
+    # the target first: --quiet takes "all" as one of its own values
+    proc = _snakemake(snakemake_bin, tmp_path, "-n", "all", "--quiet", "rules", "--config",
                       "cohort={synthetic: {profile: tiny}}")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]

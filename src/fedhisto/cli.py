@@ -199,6 +199,9 @@ def _cmd_federate(args: argparse.Namespace) -> int:
     if args.fastpath:
         if args.simulation:
             raise ValueError("--fastpath is a deployment's process model; the Simulation Engine has its own")
+        if args.secure_aggregation:  # its site worker has no Flower Context to keep a site's terms in
+            raise ValueError("--secure-aggregation runs Flower's SecAgg+ on stock Flower processes; the fast path's "
+                             "site worker does not run Flower's client mods or keep a run's context: drop --fastpath")
         from fedhisto.federation.fastpath import APP_DIR as app_dir
         from fedhisto.federation.fastpath import require
 
@@ -209,7 +212,8 @@ def _cmd_federate(args: argparse.Namespace) -> int:
           "descriptors": str(Path(args.descriptors).resolve()), "out-dir": str(out), "dataset-identity": identity,
           "sites": ",".join(args.sites), "eval-site": args.eval_site or "", "log-dir": str(out / "federation"),
           "round-timeout": float(args.round_timeout), "encoder-dir": args.encoder_dir or "",
-          "evaluate": ",".join(args.evaluate or []),
+          "evaluate": ",".join(args.evaluate or []), "secure-aggregation": bool(args.secure_aggregation),
+          "secure-timeout": float(args.secure_timeout),
           "predictions-dir": str(Path(args.predictions_dir or f"results/predictions/{args.method}/seed{args.seed}")
                                  .resolve())}
     home = Path(args.flwr_home).resolve()
@@ -364,6 +368,10 @@ def _federation_parsers(sub) -> None:
     p.add_argument("--fastpath", action="store_true",
                    help="the fast path's Flower app (its ServerApp retries object pulls sooner); for sites "
                         "started with fedhisto site --fastpath (tested on flwr 1.42.x only)")
+    p.add_argument("--secure-aggregation", action="store_true",
+                   help="the server step receives only sums masked by Flower's SecAgg+ (methods that cannot are "
+                        "refused by name; precision and threshold: the config's secure_aggregation block)")
+    p.add_argument("--secure-timeout", type=float, default=120.0, help="seconds each SecAgg+ stage waits for the sites")
     p.add_argument("--manifest", default="results/manifest/manifest.csv", help="--simulation: the sites' data")
     p.add_argument("--threads", type=int, default=2)
     connection(p)
@@ -433,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch_parsers(sub)
     _federation_parsers(sub)
     _site_local_parsers(sub)
+    from fedhisto.records.record_blocks import add_parser as records_parser
+
+    records_parser(sub)
 
     p = sub.add_parser("bench", help="pairs/s (sequential vs batched engine), inference images/s, peak memory, "
                                      "ratio to a matmul peak measured in the same run")

@@ -12,18 +12,27 @@ from fedhisto.infra.job_logging import setup_logging
 
 
 def study_config(raw: dict[str, Any] | None, source: str = "config") -> Config:
-    """A run's config: :func:`fedhisto.config.study.load_config`, then, with ``privacy.enabled``, the DP
+    """A run's config: :func:`fedhisto.config.study.load_config`, then the checks that need the methods
+    themselves, which the torch-free config package cannot make: with ``privacy.enabled``, the DP
     wrapper's own refusals (:func:`fedhisto.train.private.check_privacy`: the engine, each method's
-    objective, the budget, by name), which the torch-free config package cannot make; the wrapper
-    refuses the same way when a run starts. Every entry point a user starts a run from (the Snakefiles,
-    ``fedhisto check-config``, the stage scripts, the Flower apps) builds its config here, so a refused
-    configuration stops before any job runs."""
+    objective, the budget, by name; the wrapper refuses the same way when a run starts), and with
+    ``secure_aggregation.enabled`` every method must declare a server step over sums
+    (:func:`fedhisto.methods.secure_capability.check_secure`). Every entry point a user starts a run
+    from (the Snakefiles, ``fedhisto check-config``, the stage scripts, the Flower apps) builds its
+    config here, so a refused configuration stops before any job runs."""
     cfg = load_config(raw, source=source)
     if cfg.privacy.enabled:
         from fedhisto.train.private import check_privacy
 
         try:
             check_privacy(cfg)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    if cfg.secure_aggregation.enabled:  # each method's own declaration (methods.secure_capability)
+        from fedhisto.methods.secure_capability import check_secure
+
+        try:
+            check_secure(cfg)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     return cfg

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from fedhisto.config.study import ConfigError
 from fedhisto.entry import study_config_file
+
+DEFAULT_CONFIG = "config/config.yaml"  # the Snakefile's configfile: what a run without --configfile used
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -13,13 +16,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from fedhisto.infra.job_logging import setup_logging
 
     setup_logging(args.log)
-    cfg = study_config_file(args.config)
+    cfg = study_config_file(*export_config_files(args))
     encoder_dir = args.encoder_dir or ("results/pretrain/encoder" if cfg.model.pretrain.enabled else None)
     summary = run_export(args.method, cfg, args.out, train_root=args.train, predictions_root=args.predictions,
                          descriptors_json=args.descriptors, manifest_json=args.manifest_json,
                          encoder_dir=encoder_dir, overwrite=args.overwrite)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def export_config_files(args: argparse.Namespace) -> list[str]:
+    """The config files of the run being exported: ``--configfile`` as the run gave them to Snakemake (several,
+    laid in order, later wins, over nothing else), else ``--config FILE``, else the Snakefile's own default."""
+    if args.configfile and args.config:
+        raise ConfigError("give the run's config as --configfile FILE... (as Snakemake took it) or --config FILE, "
+                         "not both")
+    return list(args.configfile or [args.config or DEFAULT_CONFIG])
 
 
 def _cmd_classify(args: argparse.Namespace) -> int:
@@ -43,7 +55,9 @@ def use_parsers(sub) -> None:
                                       "package: safetensors, peft adapters, model card, checksums")
     p.add_argument("--method", default="past_v2")
     p.add_argument("--out", required=True, help="the package folder (must not exist or be empty)")
-    p.add_argument("--config", default="config/config.yaml")
+    p.add_argument("--configfile", nargs="+", metavar="FILE",
+                   help="the run's config files as given to snakemake --configfile (laid in order, later wins)")
+    p.add_argument("--config", metavar="FILE", help=f"one config file (default {DEFAULT_CONFIG})")
     p.add_argument("--train", default="results/train", help="the pipeline's training folders")
     p.add_argument("--predictions", default="results/predictions", help="for the model card's metrics")
     p.add_argument("--descriptors", default="results/stain/descriptors.json")

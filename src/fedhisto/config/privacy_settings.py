@@ -48,3 +48,22 @@ class PrivacyConfig(Strict):
             raise ValueError("privacy.prototype_noise_multiplier is set but privacy.enabled is false: nothing would "
                              "use it")
         return self
+
+
+class SecureAggregationConfig(Strict):
+    """Secure aggregation (``secure_aggregation:``; default off, docs/federation.md): the server receives only
+    weighted sums of the sites' contributions, masked by Flower's SecAgg+ on a real federation and computed
+    without masks, with the same quantisation, in process. Off changes nothing (no stage block or identity)."""
+
+    enabled: bool = Field(False, description="[ours] the server step receives only masked sums (methods that "
+                                             "cannot are refused by name)")
+    clipping_range: float = Field(8.0, gt=0, description="c: each weighted value must lie in [-c, c] (a site "
+                                                         "refuses otherwise); Flower's default")
+    quantization_levels: int = Field(2 ** 28, ge=2, description="integer steps over [-c, c] (precision 2c / levels "
+                                                                 "per value and site); sites x levels must stay "
+                                                                 "below the field size 2^32")
+    num_shares: float = Field(1.0, gt=0, le=1, description="Flower SecAgg+: the fraction of the round's sites each "
+                                                          "site shares its keys with (1: every site)")
+    reconstruction_threshold: float = Field(0.6, gt=0, le=1, description="Flower SecAgg+: the fraction of a site's "
+                                                                         "shares that rebuild its keys; a masked "
+                                                                         "sum survives shares - threshold dropouts")

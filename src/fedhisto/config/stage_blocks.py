@@ -58,6 +58,8 @@ def stage_block(cfg: Config, stage: str, **wildcards: Any) -> dict[str, Any]:
                  "model": _model(cfg), "views": dump(cfg.views), "eval_batch": cfg.evaluate.eval_batch}
         if cfg.privacy.enabled:  # DP runs are other runs; privacy off leaves every identity as it was
             block["privacy"] = dump(cfg.privacy)
+        if cfg.secure_aggregation.enabled:  # quantised sums: other runs; off leaves every identity as it was
+            block["secure_aggregation"] = dump(cfg.secure_aggregation)
         return block
     if stage == "predict":
         scaled = {k: v for k, v in dump(cfg.evaluate).items() if k == "temperature_scaling"}

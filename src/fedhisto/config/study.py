@@ -44,7 +44,7 @@ from fedhisto.config.data_settings import (  # noqa: F401 (re-exported: every st
     ViewsConfig,
 )
 from fedhisto.config.model_settings import EncoderConfig, ModelConfig, PretrainConfig  # noqa: F401 (re-exported)
-from fedhisto.config.privacy_settings import PrivacyConfig
+from fedhisto.config.privacy_settings import PrivacyConfig, SecureAggregationConfig
 from fedhisto.config.readings import ReadingsConfig
 from fedhisto.infra.settings_base import IF_CHANGED, ConfigError, Seeds, Strict, unless
 from fedhisto.registries.encoder_registry import ENCODERS
@@ -208,6 +208,7 @@ class Config(Strict):
     bootstrap: BootstrapConfig = BootstrapConfig()
     experiments: Experiments = Field(default_factory=_default_experiments)
     privacy: PrivacyConfig = PrivacyConfig()
+    secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
     classify: ClassifyConfig = ClassifyConfig()
 
     @model_validator(mode="before")

@@ -174,7 +174,9 @@ def write_connection(flwr_home: str | Path, name: str, address: str, root_certif
 
 def run_config_arg(values: dict) -> str:
     def fmt(v):
-        return repr(v) if isinstance(v, int | float) and not isinstance(v, bool) else f"'{v}'"
+        if isinstance(v, bool):  # a TOML boolean: a quoted 'False' would be a non-empty string, i.e. true
+            return "true" if v else "false"
+        return repr(v) if isinstance(v, int | float) else f"'{v}'"
 
     return " ".join(f"{k}={fmt(v)}" for k, v in values.items())
 

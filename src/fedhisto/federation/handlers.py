@@ -67,12 +67,16 @@ def pre(site: Site, run: dict, content: RecordDict) -> RecordDict:
 
 def train(site: Site, run: dict, content: RecordDict) -> RecordDict:
     ident = site.identity()
-    result = site.train(record_state(content["start"]), get_payload(content), int(run["round"]), int(run["k"]))
-    rd = RecordDict({"state": state_record(result.state),
-                     "metrics": MetricRecord({"num-examples": int(result.n_samples), "steps": int(result.steps)}),
-                     "losses": MetricRecord({k: float(v) for k, v in result.losses.items()}),
+    start = record_state(content["start"])
+    result = site.train(start, get_payload(content), int(run["round"]), int(run["k"]))
+    rd = RecordDict({"metrics": MetricRecord({"num-examples": int(result.n_samples), "steps": int(result.steps)}),
                      "identity": ConfigRecord({"encoder-digest": ident["encoder_digest"]}),
                      "code": ConfigRecord(identity_strings())})  # deployment has no query: checked here
+    if site.cfg.secure_aggregation.enabled:  # the state stays here: kept for the masked sums (secure_site)
+        rd["secure"] = ConfigRecord({"layout": json.dumps(site.keep_for_masking(start, result, int(run["round"])))})
+    else:
+        rd["state"] = state_record(result.state)
+        rd["losses"] = MetricRecord({k: float(v) for k, v in result.losses.items()})
     put_value(rd, "descriptor", ident["descriptor"])  # the server checks it against the run identity
     return rd
 
@@ -83,7 +87,11 @@ def post(site: Site, run: dict, content: RecordDict) -> RecordDict:
     if run.get("validate"):  # confusion matrices: the server sums them over the sites that hold validation
         rd["validation-counts"] = ConfigRecord({"json": json.dumps(site.validation_counts(members))})
     if run.get("upload"):
-        put_value(rd, "upload", site.upload_after_aggregation(members[str(run["member"])]))
+        upload = site.upload_after_aggregation(members[str(run["member"])])
+        if site.cfg.secure_aggregation.enabled:  # kept for the post-aggregation masked sum
+            rd["secure"] = ConfigRecord({"layout": json.dumps(site.keep_post_for_masking(upload, int(run["round"])))})
+        else:
+            put_value(rd, "upload", upload)
     return rd
 
 
@@ -118,17 +126,24 @@ def process_age_s() -> float:
         return -1.0
 
 
-def handle(action: str, content: RecordDict, node_config: dict, run_config: dict) -> RecordDict:
+def handle(action: str, content: RecordDict, node_config: dict, run_config: dict,
+           state: RecordDict | None = None) -> RecordDict:
     """One message; exceptions travel back as an ``error`` record (type, message, traceback). A sealed
-    request (``records.seal``) gets a sealed reply."""
+    request (``records.seal``) gets a sealed reply. ``state``: the run's ``Context.state`` (stock
+    Flower), where a site keeps its terms under secure aggregation; None in the fast path's worker."""
     if is_sealed(content):
-        return seal(handle(action, unseal(content), node_config, run_config))
+        return seal(handle(action, unseal(content), node_config, run_config, state))
     t0 = time.perf_counter()
     timings: dict[str, float] = {"process_age_s": process_age_s(), "start_unix": time.time()}
     try:
+        if "secaggplus_configs" in content.config_records:  # only client_app routes these, with its Context
+            raise RuntimeError("a stage of Flower's SecAgg+ reached a process without Flower's Context (the fast "
+                               "path's site worker): secure aggregation runs on stock Flower processes (fedhisto "
+                               "site without the fast path)")
         if action not in HANDLERS:
             raise ValueError(f"unknown message type {action!r}")
         site, run = _site(content, node_config, run_config)
+        site.kept_state = state
         timings["setup_s"] = time.perf_counter() - t0  # model build and descriptors (cached when warm)
         reply = HANDLERS[action](site, run, content)
     except Exception as exc:

@@ -69,6 +69,13 @@ def check_federable(method: Strategy, sites: list[str]) -> None:
         raise ValueError(f"method {method.name!r} is not a federated method with one global model "
                          "(a method with one model per site, such as local_only or fedsa_lora, and pooled run only on the "
                          "in-process engine)")
+    if method.cfg.secure_aggregation.enabled:  # the method's own declaration (methods.secure_capability)
+        decl = method.secure_aggregation()
+        if not decl.runs:
+            raise ValueError(f"method {method.name!r} cannot run under secure aggregation: {decl.refusal}")
+        if len(sites) < max(2, decl.min_sites):
+            raise ValueError(f"method {method.name!r} under secure aggregation needs at least {decl.min_sites} sites "
+                             f"in a masked sum; the run has {len(sites)}")
 
 
 class FederatedRun:
@@ -96,6 +103,7 @@ class FederatedRun:
         self.cfg_json = cfg.model_dump_json()
         self.events, self.pause = events, pause_between_rounds
         self.checkpoint = self.out / "checkpoint.pt"
+        self.secure_timeout = 120.0  # seconds a SecAgg+ stage waits for the sites (run config secure-timeout)
         self.after_round = None  # called after each round's checkpoint (the ServerApp dumps its open audit)
 
     # ------------------------------------------------------------------ messages
@@ -129,6 +137,9 @@ class FederatedRun:
                 raise ClientFailure(site, r, RuntimeError(f"{err['type']}: {err['message']}\n{err['traceback']}"))
             ok[site] = rd
         self._event(event="received", action=action, round=r + 1, ok=sorted(ok), unavailable=unavailable)
+        if self.cfg.secure_aggregation.enabled:  # the audit of what the coordinator received in the clear
+            self._event(event="clear", action=action, round=r + 1,
+                        records={s: sorted(rd.keys()) for s, rd in sorted(ok.items())})
         return ok, unavailable
 
     def identity_mismatch(self, site: str, rd: RecordDict) -> str | None:
@@ -144,9 +155,14 @@ class FederatedRun:
 
     # ------------------------------------------------------------------ the run
     def run(self, ex: Exchange) -> dict:
-        """The rounds (``train.loop.run_rounds``) with this run's sites reached over ``ex``."""
+        """The rounds (``train.loop.run_rounds``) with this run's sites reached over ``ex`` (under
+        ``secure_aggregation.enabled``: ``secure_server.SecureFlowerParticipants``, masked sums only)."""
         t = self.cfg.train
         parts = FlowerParticipants(self, ex)
+        if self.cfg.secure_aggregation.enabled:
+            from fedhisto.federation.secure_server import SecureFlowerParticipants
+
+            parts = SecureFlowerParticipants(parts)
         self._event(event="start")
 
         def after_round(ckpt: dict) -> None:
@@ -249,6 +265,12 @@ class FlowerParticipants:
         return {n: get_value(rd, "upload") for n, rd in ok.items()}, lost
 
     def train(self, r, starts, payloads):
+        ok, lost = self._train(r, starts, payloads)
+        return {n: LocalResult(record_state(rd["state"]), int(rd["metrics"]["num-examples"]),
+                               dict(rd["losses"]), int(rd["metrics"]["steps"])) for n, rd in ok.items()}, lost
+
+    def _train(self, r, starts, payloads) -> tuple[dict[str, RecordDict], dict[str, str]]:
+        """Send ``train``; the replies of the sites on this run's code, descriptor and encoder."""
         out = {}
         for n, state in starts.items():
             out[n] = self._start(n, r, state)
@@ -267,13 +289,13 @@ class FlowerParticipants:
                 log.warning("round %d: %s", r + 1, why)
                 lost[n] = f"refused: {why}"
                 del ok[n]
-        return {n: LocalResult(record_state(rd["state"]), int(rd["metrics"]["num-examples"]),
-                               dict(rd["losses"]), int(rd["metrics"]["steps"])) for n, rd in ok.items()}, lost
+        return ok, lost
 
-    def post(self, r, members, uploaders):
+    def post(self, r, members, uploaders, upload_of=None):
         """One ``evaluate.post`` per uploader (its start state under the new members) and to each evaluation
         site (every member, and the validation flag); every evaluation site must answer. Uploaders that
-        are also evaluation sites do both in one message."""
+        are also evaluation sites do both in one message. ``upload_of``: what an uploader's reply gives
+        (default: its upload; under secure aggregation the layout of the terms it kept)."""
         from fedhisto.federation.evaluate import validation_from_counts
 
         eval_sites = self.run.eval_sites
@@ -288,7 +310,8 @@ class FlowerParticipants:
         if missing:
             raise ClientUnavailable(f"round {r + 1}: evaluation site(s) did not validate ({missing}); "
                                     "resume when they are back")
-        after = {n: get_value(ok[n], "upload") for n in uploaders if n in ok}
+        upload_of = upload_of or (lambda reply: get_value(reply, "upload"))
+        after = {n: upload_of(ok[n]) for n in uploaders if n in ok}
         metrics = validation_from_counts({n: ok[n] for n in eval_sites})
         return after, {n: why for n, why in lost.items() if n in uploaders}, metrics
 

@@ -72,17 +72,9 @@ class GridExchange:
         self.reply_info: dict[str, dict] = {}  # the last reply's ``info`` record per site (timings)
 
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
-        if self.poll is None:
-            return list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        ids = set(self.grid.push_messages(messages))
-        end, out = time.time() + self.timeout, []
-        while ids and time.time() < end:
-            got = list(self.grid.pull_messages(ids))
-            out += got
-            ids -= {m.metadata.reply_to_message_id for m in got}
-            if ids:
-                time.sleep(self.poll)
-        return out
+        from fedhisto.federation.secagg import PollingGrid  # the same push-then-poll the SecAgg+ stages use
+
+        return PollingGrid(self.grid, self.poll).send_and_receive(messages, timeout=self.timeout)
 
     def discover(self) -> dict[str, int]:
         """Map sites to node ids: registered names first; nameless nodes answer one ``query``."""
@@ -145,6 +137,24 @@ def evaluation_targets(value: str) -> list:
     return out
 
 
+def run_flag(value) -> bool:
+    """A boolean run-config value: TOML's true/false, or a string that spells one ("False" is false)."""
+    if isinstance(value, str):
+        if value.strip().lower() not in ("true", "false", "1", "0", ""):
+            raise ValueError(f"run config: {value!r} is not true or false")
+        return value.strip().lower() in ("true", "1")
+    return bool(value)
+
+
+def secure_config(cfg, rc: dict):
+    """Run config ``secure-aggregation = true`` (``fedhisto federate --secure-aggregation``) turns on the
+    config's ``secure_aggregation`` block, its settings as the config file gives them; the run's method
+    is then checked by ``server.check_federable`` (its own declaration)."""
+    if not run_flag(rc.get("secure-aggregation", False)) or cfg.secure_aggregation.enabled:
+        return cfg
+    return cfg.model_copy(update={"secure_aggregation": cfg.secure_aggregation.model_copy(update={"enabled": True})})
+
+
 def _sites(value: str) -> list[str]:
     return sorted(s.strip() for s in str(value).split(",") if s.strip())
 
@@ -155,7 +165,7 @@ def main(grid: Grid, context: Context) -> None:
     log_dir = str(rc.get("log-dir", ""))
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-    cfg = study_config_file(str(rc["config"]))
+    cfg = secure_config(study_config_file(str(rc["config"])), rc)
     sites = _sites(rc["sites"])
     fed = FederatedRun(cfg, str(rc["method"]), int(rc["seed"]), sites, str(rc["out-dir"]),
                        str(rc["dataset-identity"]), str(rc["descriptors"]),
@@ -163,12 +173,13 @@ def main(grid: Grid, context: Context) -> None:
                        events=Path(log_dir) / "events.jsonl" if log_dir else None,
                        pause_between_rounds=float(rc.get("pause-between-rounds", 0.0)))
     fed.after_round = lambda: dump_audit(log_dir)
+    fed.secure_timeout = float(rc.get("secure-timeout", 120.0))
     run_base = {"method": fed.method.name, "seed": fed.seed, "config": fed.cfg_json}
     poll = float(rc.get("poll-interval", 0.2))
     targets = evaluation_targets(str(rc.get("evaluate", "")))
     reached = sorted({*sites, *fed.eval_sites, *(t.site for t in targets)})
     ex = GridExchange(grid, reached, float(rc.get("round-timeout", 600.0)), float(rc.get("wait-nodes", 120.0)),
-                      run_base, poll=poll if poll > 0 else None, sealed=bool(rc.get("sealed", True)))
+                      run_base, poll=poll if poll > 0 else None, sealed=run_flag(rc.get("sealed", True)))
     try:
         ex.discover()
         fed._event(event="discovered", site_to_node={k: str(v) for k, v in ex.site_to_node.items()})

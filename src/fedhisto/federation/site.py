@@ -282,6 +282,26 @@ class Site:
         return local_train(self.method.objective, self.model, start_state, self.data, self.descriptors[self.sc.site],
                            payload, self.cfg, self.seed, round_idx, k, self.device)
 
+    # ------------------------------------------------ under secure aggregation
+    kept_state = None  # the run's Context.state (set per message by handlers.handle)
+
+    def keep_for_masking(self, start: dict[str, torch.Tensor], result: LocalResult, round_idx: int) -> list:
+        """Keep what this site masks this round (``secure_site.keep``): its terms with its losses, and for
+        statistics weights its update; the layout of the terms goes back in the clear."""
+        from fedhisto.federation.secure_site import keep
+        from fedhisto.train.secure_round import client_terms
+
+        scaling = self.model.lora_scaling
+        terms = client_terms(self.method, result.state, start, scaling, result.losses)
+        if self.method.secure_aggregation().weights == "statistics":
+            keep(self.kept_state, "statistic", round_idx, self.method.objective.secure_statistic(result.state, start, scaling))
+        return keep(self.kept_state, "terms", round_idx, terms)
+
+    def keep_post_for_masking(self, upload, round_idx: int) -> list:
+        from fedhisto.federation.secure_site import keep
+
+        return keep(self.kept_state, "post", round_idx, self.method.objective.secure_post_terms(upload))
+
     def upload_after_aggregation(self, state: dict[str, torch.Tensor]):
         self.model.load_trainable_state(state)
         return self.method.objective.upload_after_aggregation(self.model, self.data, self.descriptors[self.sc.site],

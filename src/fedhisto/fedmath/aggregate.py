@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -42,4 +42,23 @@ def aggregate(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float
     paired = {k for p in pairs for k in p}
     for key in sorted(keys - paired):
         out[key] = sum(w * s[key].double() for s, w in zip(states, weights, strict=True)).to(states[0][key].dtype)
+    return out
+
+
+def delta_svd_from_means(mean: Callable[[str], torch.Tensor], start: Mapping[str, torch.Tensor], scaling: float,
+                         rank: int) -> dict[str, torch.Tensor]:
+    """``aggregate`` (delta-SVD and the weighted mean) from masked sums (secure aggregation):
+    each LoRA pair refactorised from the mean ``s B A`` (``mean(a_key)``), every other trainable tensor its
+    mean (``mean(key)``), in the start state's dtypes."""
+    from fedhisto.fedmath.lora_aggregators.fold import is_folded
+    from fedhisto.fedmath.secure_sums import refactorise
+
+    out = {}
+    pairs = lora_pairs(list(start))
+    for a_key, b_key in pairs:
+        a, b = refactorise(mean(a_key), scaling, rank)
+        out[a_key], out[b_key] = a.to(start[a_key].dtype), b.to(start[b_key].dtype)
+    paired = {k for p in pairs for k in p}
+    for key in sorted(k for k in set(start) - paired if not is_folded(k)):
+        out[key] = mean(key).to(start[key].dtype)
     return out

@@ -70,7 +70,6 @@ def client_prototypes(embeddings: torch.Tensor, labels: torch.Tensor, n_classes:
 def aggregate_prototypes(uploads: list[ClientPrototypes], n_classes: int, dim: int,
                          variant: Literal["study", "bounded"] = "study") -> ServerPrototypes:
     centroids = torch.zeros(n_classes, dim)
-    reliability = torch.zeros(n_classes)
     mask = torch.zeros(n_classes, dtype=torch.bool)
     counts = torch.zeros(n_classes)
     raw = torch.zeros(n_classes, dtype=torch.float64)
@@ -90,11 +89,66 @@ def aggregate_prototypes(uploads: list[ClientPrototypes], n_classes: int, dim: i
             raw[c] = 1.0 / var.clamp_min(1e-4) if variant == "study" else 1.0 / (1.0 + var * dim)
         else:
             raw[c] = n_c ** 0.5 / (n_c ** 0.5 + 5.0)
-    if mask.any():
-        raw = raw * mask
-        raw = raw / raw[mask].mean()
-        reliability = raw.clamp(0.0, 3.0).float()
-    return ServerPrototypes(centroids, reliability, mask, counts)
+    return ServerPrototypes(centroids, _reliability(raw, mask), mask, counts)
+
+
+def _reliability(raw: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Times the mask, normalised to mean 1 over valid classes, clipped to [0, 3]."""
+    if not mask.any():
+        return torch.zeros(mask.numel())
+    raw = raw * mask
+    raw = raw / raw[mask].mean()
+    return raw.clamp(0.0, 3.0).float()
+
+
+# Under secure aggregation the server sees only sums over the sites. Every quantity above is one:
+# with w_k = sqrt(n_kc), p_c = normalize(sum_k w_k u_kc), n_c = sum_k n_kc, the contributor count is a sum
+# of ones, and the weighted variance expands into sums,
+#     var_c = (sum_k w_k ||u_kc||^2 - 2 p_c . sum_k w_k u_kc + ||p_c||^2 sum_k w_k) / (D sum_k w_k).
+# Each site masks five terms per class (zeros for an absent class, so every site's vector has one
+# layout), scaled by the public cap on images per class so that every value stays within [-1, 1].
+PROTO_TERMS = ("wu", "w", "wuu", "n", "sites")
+
+
+def prototype_terms(upload: ClientPrototypes, n_classes: int, dim: int, cap: int) -> dict[str, torch.Tensor]:
+    """A site's masked terms for ``aggregate_prototypes_from_sums`` (``cap``: images per class at most)."""
+    out = {}
+    for c in range(n_classes):
+        u = upload.centroids.get(c)
+        n = upload.counts.get(c, 0)
+        w = (n ** 0.5) / cap ** 0.5 if u is not None else 0.0
+        u = u.double() if u is not None else torch.zeros(dim, dtype=torch.float64)
+        values = {"wu": w * u, "w": torch.tensor(w, dtype=torch.float64), "wuu": torch.tensor(w * float(u @ u)),
+                  "n": torch.tensor(n / cap, dtype=torch.float64), "sites": torch.tensor(float(n > 0))}
+        out.update({f"proto:{c}:{k}": values[k].double() for k in PROTO_TERMS})
+    return out
+
+
+def aggregate_prototypes_from_sums(sums: dict[str, torch.Tensor], n_classes: int, dim: int, cap: int,
+                                   variant: Literal["study", "bounded"] = "study") -> ServerPrototypes:
+    """``aggregate_prototypes`` from the sites' summed ``prototype_terms`` (counts and contributor numbers
+    are integers: rounded)."""
+    centroids = torch.zeros(n_classes, dim)
+    mask = torch.zeros(n_classes, dtype=torch.bool)
+    counts = torch.zeros(n_classes)
+    raw = torch.zeros(n_classes, dtype=torch.float64)
+    for c in range(n_classes):
+        get = {k: sums[f"proto:{c}:{k}"].double() for k in PROTO_TERMS}
+        contributors = round(float(get["sites"]))
+        if contributors < 1:
+            continue
+        p = F.normalize(get["wu"], dim=0)
+        centroids[c] = p.float()
+        mask[c] = True
+        n_c = round(float(get["n"]) * cap)
+        counts[c] = n_c
+        if contributors >= 2:
+            w = get["w"]
+            var = (get["wuu"] - 2 * (p @ get["wu"]) + (p @ p) * w) / (dim * w)
+            raw[c] = 1.0 / var.clamp_min(1e-4) if variant == "study" else 1.0 / (1.0 + var * dim)
+        else:
+            raw[c] = n_c ** 0.5 / (n_c ** 0.5 + 5.0)
+    return ServerPrototypes(centroids, _reliability(raw, mask), mask, counts)
 
 
 FLOAT32 = 4

@@ -62,10 +62,40 @@ class Adaptive(ClientWeights):
             cos = torch.nn.functional.cosine_similarity(d[i], others, dim=0, eps=1e-12)
             ratio = (norms[i] / median.clamp_min(1e-12)).clamp_min(1e-12)
             raw.append(counts[i] ** self.exponent * torch.exp(-(1 - cos)) * torch.exp(-0.5 * torch.log(ratio).abs()))
+        return self.normalised(raw)
+
+    def normalised(self, raw: list[torch.Tensor]) -> list[float]:
         w = torch.stack(raw)
         w = w / w.sum()
         w = torch.clamp(w, min=self.floor)
         return (w / w.sum()).tolist()
+
+    def from_statistics(self, counts: Sequence[int], squared_norms: Sequence[float], dots: Sequence[float],
+                        sum_squared_norm: float, summed: int) -> list[float]:
+        """The same weights from what secure aggregation leaves the server: a masked sum S of ``summed``
+        sites' updates (||S||^2 = ``sum_squared_norm``) and, per weighted site, ||D_k||^2 and D_k . S.
+        The mean of the others' updates is (S - D_k) / (summed - 1), so
+
+            cos_k = (D_k . S - ||D_k||^2) / (||D_k|| ||S - D_k||),  ||S - D_k||^2 = ||S||^2 - 2 D_k . S + ||D_k||^2
+
+        equal to ``__call__``'s when S sums exactly the weighted sites (``summed == len(counts)``)."""
+        k = len(counts)
+        if k == 1:
+            return [1.0]
+        if summed < 2:
+            raise ValueError(f"adaptive weights need the sum of at least two sites' updates (got {summed})")
+        sq = torch.tensor(squared_norms, dtype=torch.float64)
+        dot = torch.tensor(dots, dtype=torch.float64)
+        norms = sq.clamp_min(0).sqrt()
+        median = norms.median() if k % 2 else norms.sort().values[k // 2 - 1:k // 2 + 1].mean()
+        m = summed - 1   # the mean of the others' updates is (S - D_k) / m; cosine_similarity's eps as torch applies it
+        others = (sum_squared_norm - 2 * dot + sq).clamp_min(0).sqrt() / m
+        raw = []
+        for i in range(k):
+            cos = ((dot[i] - sq[i]) / m) / (norms[i].clamp_min(1e-12) * others[i].clamp_min(1e-12))
+            ratio = (norms[i] / median.clamp_min(1e-12)).clamp_min(1e-12)
+            raw.append(counts[i] ** self.exponent * torch.exp(-(1 - cos)) * torch.exp(-0.5 * torch.log(ratio).abs()))
+        return self.normalised(raw)
 
 
 

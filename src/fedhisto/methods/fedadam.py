@@ -44,6 +44,7 @@ from pydantic import Field
 from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import GLOBAL, PaperAssumptions, RoundUpdate
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
@@ -108,14 +109,33 @@ class FedAdam(Strategy):
     assumptions = PaperAssumptions("Reddi et al. 2021 (Algorithm 2)", local_optimizer="sgd")
 
     def aggregate_train(self, update: RoundUpdate, model: FedHistoModel):
-        p = self.settings
         names = sorted(update.states)
-        x = update.starts[names[0]]
         weights = [update.weights[n] for n in names]
         if abs(sum(weights) - 1.0) > 1e-6:
             raise ValueError(f"fedadam: aggregation weights must sum to 1, got {sum(weights)}")
-        ys = [update.states[n] for n in names]
-        state = update.server_state or {"t": 0, "m": {}, "v": {}}
+        ys, s = [update.states[n] for n in names], model.lora_scaling
+
+        def mean(key: str) -> torch.Tensor:  # the weighted mean: s B_k A_k under a pair's A key, else the tensor
+            if ".lora_A." in key:
+                b_key = key.replace("lora_A", "lora_B")
+                return sum(w * s * (y[b_key].double() @ y[key].double()) for y, w in zip(ys, weights, strict=True))
+            return sum(w * y[key].double() for y, w in zip(ys, weights, strict=True))
+
+        return self._server_step(update.starts[names[0]], mean, update.server_state, model)
+
+    # Under secure aggregation the server step is the same from the masked weighted sums: each site masks
+    # its dense s B_k A_k (the default objective's secure_terms), which is the pseudo-gradient's input.
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation(True, "public_counts", "s B_k A_k per LoRA module (dense, out x in); adapter and "
+                                 "classifier", ("each site's sample count n_k (public since site preparation)",))
+
+    def aggregate_sums(self, sums, model):
+        return self._server_step(sums.start, sums.mean, sums.server_state, model)
+
+    def _server_step(self, x: State, mean, server_state, model: FedHistoModel):
+        """Algorithm 2 from the weighted means ``mean(key)`` (a pair's dense s B A under its A key)."""
+        p = self.settings
+        state = server_state or {"t": 0, "m": {}, "v": {}}
         m_all, v_all = dict(state["m"]), dict(state["v"])
         s, rank = model.lora_scaling, self.cfg.model.lora_r
         out: State = {}
@@ -132,12 +152,12 @@ class FedAdam(Strategy):
         for a_key, b_key in pairs:
             dtype = x[a_key].dtype
             current = s * (x[b_key].double() @ x[a_key].double())
-            target = sum(w * s * (y[b_key].double() @ y[a_key].double()) for y, w in zip(ys, weights, strict=True))
+            target = mean(a_key).to(current.device)
             dense = current + step(pair_key(a_key), target - current, dtype)
             a, b = refactorise(dense, s, rank)
             out[a_key], out[b_key] = a.to(dtype), b.to(dtype)
         paired = {k for pair in pairs for k in pair}
         for key in sorted(set(x) - paired):
-            mean = sum(w * y[key].double() for y, w in zip(ys, weights, strict=True))
-            out[key] = (x[key].double() + step(key, mean - x[key].double(), x[key].dtype)).to(x[key].dtype)
+            avg = mean(key).to(x[key].device)
+            out[key] = (x[key].double() + step(key, avg - x[key].double(), x[key].dtype)).to(x[key].dtype)
         return {GLOBAL: out}, {"t": state["t"] + 1, "m": m_all, "v": v_all}

@@ -46,6 +46,7 @@ from fedhisto.methods.base import (
     named_rng,
 )
 from fedhisto.methods.objective import Objective
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
@@ -234,6 +235,12 @@ class FedStain(Strategy):
 
     def configure_train(self, round_idx, server_state, uploads: dict[str, Any]):
         return {name: {"style_pool": pool_excluding(uploads, name)} for name in uploads}
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.refused(
+            "each site uploads its style statistics before training (pixel channel means and standard deviations, "
+            "feature skewness and kurtosis of a sample of its images) and the server sends every site the other "
+            "sites' rows: the rows are the payload itself, not a sum")
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"style_statistics": style_traffic(dim, optimisation_sizes, self.settings.upload_ratio)}

@@ -40,6 +40,7 @@ from fedhisto.infra.settings_base import IF_CHANGED, Strict
 from fedhisto.methods.base import Batch, BatchInputs, LocalRun, balanced_cross_entropy
 from fedhisto.methods.fedstain import FedStain, FedStainObjective, from_unit, to_unit
 from fedhisto.methods.objective import Objective
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.model.peft_model import FedHistoModel
 
 #: the code's JS clamps the mixture distribution at 1e-7
@@ -154,6 +155,12 @@ class FedStainCode(FedStain):
     ``FedStainCodeObjective``."""
 
     objective_class = FedStainCodeObjective
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.refused(
+            "each site uploads its pixel statistics before training (channel skewness and kurtosis of a sample "
+            "of its images) and the server sends every site the other sites' rows: the rows are the payload "
+            "itself, not a sum")
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         """Up: floor(r n_i) rows of 3 pixel skewness + 3 pixel kurtosis floats; down: the others' rows."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.methods.strategy import Strategy
 
 
@@ -27,3 +28,6 @@ class LocalOnly(Strategy):
 
     def aggregate_train(self, update, model):  # no exchange: each returned client's state is its model
         return dict(update.states), update.server_state
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.not_applicable("nothing is exchanged: each site trains and keeps its own model")

@@ -39,12 +39,19 @@ from collections.abc import Sequence
 import torch
 from pydantic import Field
 
-from fedhisto.fedmath.lora_aggregators import aggregate_states, aggregator, check_frozen, lora_pairs
+from fedhisto.fedmath.lora_aggregators import (
+    aggregate_states,
+    aggregator,
+    check_frozen,
+    lora_pairs,
+    secure_state_terms,
+)
 from fedhisto.fedmath.lora_aggregators.flexlora import truncate
-from fedhisto.fedmath.lora_aggregators.fold import aggregate_with_fold
+from fedhisto.fedmath.lora_aggregators.fold import aggregate_means_with_fold, aggregate_with_fold
 from fedhisto.infra.settings_base import Strict
 from fedhisto.methods.base import GLOBAL, RoundUpdate
 from fedhisto.methods.objective import Objective
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
@@ -88,6 +95,10 @@ class LoraObjective(Objective):
                 out[a_key], out[b_key] = truncate(torch.ones_like(start_state[a_key]),
                                                   torch.ones_like(start_state[b_key]), rank)
         return out
+
+    def secure_terms(self, state, start, scaling):
+        """Under secure aggregation: what the aggregator's server step sums (``Aggregator.secure_form``)."""
+        return secure_state_terms(self.aggregator, state, scaling)
 
 
 class LoraAggregated(Strategy):
@@ -155,6 +166,21 @@ class LoraAggregated(Strategy):
         local = self.aggregator.local_factor
         return {n: {k: (update.states[n][k] if f".{local}." in k else v) for k, v in merged.items()}
                 for n in names}, update.server_state
+
+    # ------------------------------------------------ under secure aggregation
+    def secure_aggregation(self) -> SecureAggregation:
+        """Each aggregator masks what its server step sums (``Aggregator.secure_form``) with sample-mass weights."""
+        form = self.aggregator.secure_form
+        if form is None or self.own_holdout:
+            return SecureAggregation.refused(
+                f"{self.aggregator.name} keeps B at each site and one model per site; the Flower engine runs one "
+                "global model, and the in-process engine's server holds each site's B to rebuild its model")
+        return SecureAggregation(True, "public_counts", f"{form}; adapter and classifier",
+                                 ("each site's sample count n_k (public since site preparation)",))
+
+    def aggregate_sums(self, sums, model):
+        return {GLOBAL: aggregate_means_with_fold(self.aggregator, sums.mean, model.lora_scaling, self.cfg.model.lora_r,
+                                                  sums.start, base_dtype(model))}, sums.server_state
 
     # ------------------------------------------------------------ accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:

@@ -7,7 +7,8 @@ aggregation. Under DP-SGD (``privacy.enabled``) the engine wraps it (``train.pri
 noises exactly the declared tensors, and asks the objective for its loss of ONE image
 (``private_objective``). Whether an objective can train under DP follows from what it declares
 (``dp_refusal``): an upload DP-SGD cannot release, a batch loss without its per-image form beside it,
-or a reading of the CE with no per-image form.
+or a reading of the CE with no per-image form. Under secure aggregation (``secure_terms`` and friends)
+it says what a site adds to each masked sum, which its strategy's server step receives summed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 from fedhisto.data.device_views import device_views
 from fedhisto.data.splits import Split
 from fedhisto.data.views import training_views
+from fedhisto.fedmath.aggregate import lora_pairs
 from fedhisto.fedmath.lora_aggregators.fold import trainable_part
+from fedhisto.fedmath.secure_sums import Terms, lora_products
 from fedhisto.methods.base import (
     Batch,
     BatchInputs,
@@ -167,3 +170,20 @@ class Objective(MethodPart):
         (class-balanced CE over the views, ``terms_from_outputs`` without ``extra_terms``) per image."""
         return PrivateObjective(image_ce(run))
 
+    # ------------------------------------------------ under secure aggregation
+    # What a site adds to each masked sum (its strategy declares the form, ``Strategy.secure_aggregation``,
+    # and receives the sums).
+    def secure_terms(self, state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], scaling: float) -> Terms:
+        """The terms this site adds, times its weight, to the round's masked sum. Default: what the default
+        ``Strategy.aggregate_train`` (delta-SVD) needs, each LoRA pair's dense s B A and every other tensor."""
+        pairs = lora_pairs(list(state))
+        paired = {k for p in pairs for k in p}
+        return {**lora_products(state, scaling, pairs), **{k: v for k, v in state.items() if k not in paired}}
+
+    def secure_statistic(self, state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], scaling: float) -> Terms:
+        """(``weights: statistics``) The update vector D_k whose masked sum the weights are computed from."""
+        raise NotImplementedError(f"method {self.name!r} declares no statistics round")
+
+    def secure_post_terms(self, upload: Any) -> Terms:
+        """(``post_uploads``) The terms of the upload after aggregation, summed masked (unweighted)."""
+        raise NotImplementedError(f"method {self.name!r} masks no upload after aggregation")

@@ -21,7 +21,8 @@ import torch
 from pydantic import Field
 
 from fedhisto.data.splits import Split, eval_batches
-from fedhisto.fedmath.lora_aggregators import aggregator
+from fedhisto.fedmath.aggregate import lora_pairs
+from fedhisto.fedmath.lora_aggregators import aggregator, secure_state_terms
 from fedhisto.fedmath.losses import (
     feature_consistency,
     js_divergence,
@@ -35,9 +36,12 @@ from fedhisto.fedmath.prototypes import (
     ClientPrototypes,
     ServerPrototypes,
     aggregate_prototypes,
+    aggregate_prototypes_from_sums,
     client_prototypes,
+    prototype_terms,
     prototype_traffic,
 )
+from fedhisto.fedmath.secure_sums import lora_products
 from fedhisto.fedmath.weights import Adaptive, SampleMass, induced_update
 from fedhisto.infra.settings_base import IF_CHANGED, Strict
 from fedhisto.methods.base import (
@@ -50,6 +54,7 @@ from fedhisto.methods.base import (
 )
 from fedhisto.methods.dp_objective import ImageCE, PrivateObjective
 from fedhisto.methods.objective import Objective
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import N_CLASSES, FedHistoModel
 
@@ -130,6 +135,8 @@ class PastObjective(Objective):
         self.proximal = proximal
         chosen = self.settings.lora_aggregator if self.settings is not None else "delta_svd"
         self.frozen_factor = aggregator(chosen).frozen_factor  # FFA-LoRA's A under train.past.lora_aggregator
+        # under secure aggregation a site masks the terms the server's aggregator sums (None: delta-SVD's)
+        self.lora_aggregator = None if chosen == "delta_svd" else aggregator(chosen)
 
     def trained(self, start_state, payload):
         """Under ``lora_aggregator: ffa_lora`` the sites keep A at its shared initialisation (FFA-LoRA)."""
@@ -178,6 +185,26 @@ class PastObjective(Objective):
 
         return PrivateObjective(self.unit_loss(run.payload, run.ce_weights, run.device),
                                 proximal_term if self.proximal else None)
+
+    # ------------------------------------------------ under secure aggregation
+    # What a site masks (the server's half, ``PastFamily.secure_aggregation``, says why): delta-SVD's
+    # dense products or the chosen aggregator's terms, its update D_k for adaptive weights, its prototypes.
+    def secure_terms(self, state, start, scaling):
+        if self.lora_aggregator is None:
+            return super().secure_terms(state, start, scaling)
+        return secure_state_terms(self.lora_aggregator, state, scaling)
+
+    def secure_statistic(self, state, start, scaling):
+        """D_k as ``client_weights`` sees it: the raw deltas, or (``adaptive_on: delta_w``) each pair's s (B A - B0 A0)."""
+        keys = [k for k in sorted(start) if not k.startswith("folded_base.")]
+        pairs = lora_pairs(keys) if self.cfg.train.readings.adaptive_on == "delta_w" else []
+        paired = {k for p in pairs for k in p}
+        return {**lora_products(state, scaling, pairs, start),
+                **{k: state[k].double() - start[k].double() for k in keys if k not in paired}}
+
+    def secure_post_terms(self, upload: ClientPrototypes):
+        dim = next(v.numel() for v in upload.centroids.values())
+        return prototype_terms(upload, N_CLASSES, dim, self.settings.proto_max_images)
 
     # ------------------------------------------------- prototypes (study 3.7)
     @torch.no_grad()
@@ -274,6 +301,53 @@ class PastFamily(Strategy):
         if self.lora_aggregator is None:
             return super().model_bytes(state, clients)
         return len(clients) * sum(self.lora_aggregator.message_bytes(state))
+
+    # ------------------------------------------------ under secure aggregation
+    # Delta-SVD needs sum_k a_k s B_k A_k: each site masks its dense products (or the chosen aggregator's
+    # terms). Adaptive weights (eq. 4) need each site's update against the others': a first masked round
+    # sums the updates D_k, each site states ||D_k||^2 and D_k . S (Adaptive.from_statistics), a second
+    # sums the weighted contributions. Prototypes: a third masked sum (fedmath.prototypes).
+    def secure_aggregation(self) -> SecureAggregation:
+        agg = self.lora_aggregator
+        summed = agg.secure_form if agg is not None else "s B_k A_k per LoRA module (dense, out x in)"
+        summed += "; adapter, FiLM and classifier" if self.film else "; adapter and classifier"
+        learns = ["each site's sample count n_k (public since site preparation)"]
+        rounds, least = 1, 2
+        if self.aggregation == "adaptive":
+            update = ("s (B_k A_k - B A) per LoRA module" if self.cfg.train.readings.adaptive_on == "delta_w"
+                      else "LoRA factor deltas")
+            learns += [f"S = sum_k D_k, the unweighted sum of the sites' updates D_k ({update}, adapter, FiLM and "
+                       "classifier deltas), which every site also receives",
+                       "per site: ||D_k||^2 and D_k . S (its adaptive weight's inputs)"]
+            rounds, least = rounds + 1, 4  # with 3 sites, S and the weighted sum let a site solve for each other site
+        if self.prototypes != "none":
+            learns.append("per class: the summed sqrt(n_kc)-weighted centroids, the summed weights and weighted squared "
+                          "norms, the class's image count and how many sites hold it")
+            rounds += 1
+        return SecureAggregation(True, "statistics" if self.aggregation == "adaptive" else "public_counts", summed,
+                                 tuple(learns), masked_sums=rounds, min_sites=least)
+
+    def aggregate_sums(self, sums, model):
+        if self.lora_aggregator is None:
+            return super().aggregate_sums(sums, model)
+        from fedhisto.fedmath.lora_aggregators.fold import aggregate_means_with_fold
+        from fedhisto.methods.lora_aggregated import base_dtype
+
+        return {GLOBAL: aggregate_means_with_fold(self.lora_aggregator, sums.mean, model.lora_scaling,
+                                                  self.cfg.model.lora_r, sums.start, base_dtype(model))
+                }, sums.server_state
+
+    def secure_weights(self, stats):
+        names = sorted(stats.counts)
+        weights = Adaptive(floor=self.settings.adaptive_floor).from_statistics(
+            [stats.counts[n] for n in names], [stats.squared_norms[n] for n in names], [stats.dots[n] for n in names],
+            stats.sum_squared_norm, stats.summed_sites)
+        return dict(zip(names, weights, strict=True))
+
+    def aggregate_post_sums(self, sums, server_state):
+        dim = sums.sums["proto:0:wu"].numel()
+        return aggregate_prototypes_from_sums(sums.sums, N_CLASSES, dim, self.settings.proto_max_images,
+                                              variant=self.settings.reliability).state()
 
     # ------------------------------------------------- prototypes (study 3.7)
     def aggregate_uploads(self, uploads: dict[str, Any], server_state: Any) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fedhisto.data.splits import Split
 from fedhisto.methods.base import GLOBAL
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.methods.strategy import Strategy
 
 POOLED = "pooled"
@@ -30,3 +31,6 @@ class Pooled(Strategy):
 
     def aggregate_train(self, update, model):
         return {GLOBAL: update.states[POOLED]}, update.server_state
+
+    def secure_aggregation(self) -> SecureAggregation:
+        return SecureAggregation.not_applicable("the centralised reference: the images are in one place and nothing is aggregated")

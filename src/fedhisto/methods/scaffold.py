@@ -95,6 +95,7 @@ from fedhisto.methods.base import (
 )
 from fedhisto.methods.dp_objective import PrivateObjective, image_ce
 from fedhisto.methods.objective import Objective
+from fedhisto.methods.secure_capability import SecureAggregation
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.peft_model import FedHistoModel
 
@@ -345,6 +346,17 @@ class Scaffold(Strategy):
             for v in variates:
                 transport(v, a_key, b_key, m, m_inv)
         return out
+
+    def secure_aggregation(self) -> SecureAggregation:
+        """The model step and c+ are sums, but the variates of each site are kept per site by the server."""
+        if self.pre_uploads:
+            return SecureAggregation.refused(
+                "train.scaffold.variates: start_gradient: each site uploads its full-data gradient g_i before "
+                "training and the server sends it back c - g_i, so every g_i is seen in the clear")
+        return SecureAggregation.refused(
+            "the server keeps each site's control variate c_i (these sites keep no state between rounds) and "
+            "updates it from that site's returned state, c_i+ - c_i = (x - y_i) / (K_i eta_l) - c: the site's "
+            "update in the clear; keeping c_i at the site would leave only sums (not implemented)")
 
     def extra_traffic_bytes(self, dim, availability, optimisation_sizes, payload_bytes):
         return {"control_variates": 2 * len(availability) * payload_bytes}

@@ -5,7 +5,7 @@ how the returned participants are weighted and aggregated (and what server state
 what travels (Table 8), and what its paper assumes. Modelled on Flower's strategies
 (``configure_train`` / ``aggregate_train``). It names its client half, ``objective_class``; a method
 that changes only the server (FedAdam, local_only, pooled) keeps the default ``Objective``. Server-side
-declarations (flags such as ``exchanges_model``) live here.
+declarations (flags such as ``exchanges_model``, and ``secure_aggregation``) live here.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from fedhisto.data.splits import Split
-from fedhisto.fedmath.aggregate import aggregate
+from fedhisto.fedmath.aggregate import aggregate, delta_svd_from_means
 from fedhisto.fedmath.weights import SampleMass
 from fedhisto.methods.base import GLOBAL, MethodPart, PaperAssumptions, RoundUpdate
 from fedhisto.methods.objective import Objective
+from fedhisto.methods.secure_capability import SecureAggregation, SecureSums, SiteStatistics
 from fedhisto.model.peft_model import FedHistoModel
 
 
@@ -110,6 +111,30 @@ class Strategy(MethodPart):
         """(``post_uploads`` only) The server state for the next round from the
         post-aggregation uploads and the state ``aggregate_train`` left."""
         return server_state
+
+    # ------------------------------------------------ under secure aggregation
+    # A method declares in its own file whether its server step can be written over masked sums
+    # (``methods.secure_capability``, docs/federation.md). These server hooks receive only sums (the
+    # objective's ``secure_terms`` and friends say what a site masks); none ever sees one site's record.
+    def secure_aggregation(self) -> SecureAggregation:
+        """What this method's server step needs under secure aggregation. Default: refused until declared."""
+        return SecureAggregation.refused(
+            f"its class {type(self).__module__}:{type(self).__qualname__} declares nothing (override "
+            "Strategy.secure_aggregation in the method's own file)")
+
+    def aggregate_sums(self, sums: SecureSums, model: FedHistoModel) -> tuple[dict[str, dict[str, torch.Tensor]], Any]:
+        """The new member states and server state from the weighted sums (default: delta-SVD's rank-r
+        refactorisation of the weighted mean s B A, the weighted mean of the rest)."""
+        return {GLOBAL: delta_svd_from_means(sums.mean, sums.start, model.lora_scaling, self.cfg.model.lora_r)
+                }, sums.server_state
+
+    def secure_weights(self, stats: SiteStatistics) -> dict[str, float]:
+        """(``weights: statistics``) The aggregation weights from the scalars the sites stated."""
+        raise NotImplementedError(f"method {self.name!r} declares no statistics round")
+
+    def aggregate_post_sums(self, sums: SecureSums, server_state: Any) -> Any:
+        """(``post_uploads``) The server state for the next round from the summed post-aggregation terms."""
+        raise NotImplementedError(f"method {self.name!r} masks no upload after aggregation")
 
     # ----------------------------------------------------------- accounting
     def model_bytes(self, state: dict[str, torch.Tensor], clients: Sequence[str]) -> int:

@@ -210,12 +210,14 @@ def run_rounds(method: Strategy, parts: Participants, model: FedHistoModel, cfg:
     # the rule log gets close_round's one line per round; a terminal also gets a bar
     bar = Progress(t.max_rounds, f"{identity['method']} s{identity['seed']}", "round", initial=ckpt["round"],
                    logger=log, summary=False)
+    # participants may bring their own round (secure aggregation: train.secure_round.run_secure_round)
+    one_round = getattr(parts, "round_driver", run_round)
     try:
         while not ckpt["stopped"] and ckpt["round"] < t.max_rounds:
             r = ckpt["round"]
             start = time.perf_counter()
             try:
-                row, member_metrics = run_round(method, parts, ckpt, r, model)
+                row, member_metrics = one_round(method, parts, ckpt, r, model)
             except RunStopped as exc:
                 log.warning("stopping before round %d: %s", r + 1, exc)
                 ckpt.update(stopped=True, stop_reason=str(exc))

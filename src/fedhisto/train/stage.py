@@ -174,6 +174,10 @@ def run_train(method: str, seed: int, manifest_csv: str | Path, manifest_json: s
     participants = InProcess(model=model, method=m, clients=clients, validation=parts["validation"],
                              descriptors=descriptors, cfg=cfg, seed=seed, device=device,
                              batched=cfg.train.engine == "batched", private=private, **test_hooks)
+    if cfg.secure_aggregation.enabled:  # the server step sees only quantised sums (train.secure_round)
+        from fedhisto.train.secure_round import SecureInProcess
+
+        participants = SecureInProcess(participants, seed)
     prov = provenance_block(STAGE, stage_block(cfg, STAGE, method=method, seed=seed),
                             {"manifest": manifest_csv, "descriptors": descriptors_json})
     summary = {"method": method, "seed": seed, "identity": identity, "runtime": runtime_block(device),

@@ -82,6 +82,25 @@ class Aggregator:
         """Bytes sent down per site beyond the state (FedEx-LoRA's dense residuals)."""
         return 0
 
+    # Under secure aggregation (``methods.secure_capability``) the server sees only weighted sums over
+    # the sites: an aggregator says which per-pair terms a site masks and builds the pair from their means.
+    #: what a site masks per LoRA pair, in words (None: this aggregator cannot run on sums)
+    secure_form: str | None = "s B_k A_k (dense, out x in)"
+
+    def secure_pair_terms(self, a: torch.Tensor, b: torch.Tensor, scaling: float, a_key: str, b_key: str) -> dict:
+        """A site's masked terms of one pair (default: its dense product, under the A key)."""
+        from fedhisto.fedmath.secure_sums import Product
+
+        return {a_key: Product(b, a, scaling)}
+
+    def pair_from_means(self, mean, a_key: str, b_key: str, scaling: float, rank: int, start: State) -> Pair:
+        """The pair from the weighted means of its terms (``mean(name)``); default: the rank-r SVD of the
+        mean product, as delta-SVD and FlexLoRA compute it."""
+        from fedhisto.fedmath.secure_sums import refactorise
+
+        a, b = refactorise(mean(a_key), scaling, rank)
+        return Pair(a, b)
+
 
 def aggregator(name: str) -> Aggregator:
     try:
@@ -140,4 +159,35 @@ def aggregate_states(agg: Aggregator, states: Sequence[State], weights: Sequence
     paired = {k for p in pairs for k in p}
     for key in sorted(set(states[0]) - paired):
         out[key] = weighted_mean([s[key] for s in states], weights)
+    return out, residuals
+
+
+def secure_state_terms(agg: Aggregator, state: State, scaling: float) -> dict:
+    """A site's masked terms under ``agg``: each pair's (``secure_pair_terms``), every other trainable tensor."""
+    state = {k: v for k, v in state.items() if not k.startswith(FOLDED)}  # the trainable part (fold.py's)
+    out: dict = {}
+    pairs = lora_pairs(list(state))
+    for a_key, b_key in pairs:
+        out.update(agg.secure_pair_terms(state[a_key], state[b_key], scaling, a_key, b_key))
+    paired = {k for p in pairs for k in p}
+    out.update({k: v for k, v in state.items() if k not in paired})
+    return out
+
+
+def aggregate_means(agg: Aggregator, mean, start: State, scaling: float, rank: int
+                    ) -> tuple[State, dict[str, torch.Tensor]]:
+    """``aggregate_states`` from the weighted means of the sites' ``secure_state_terms`` (``mean(name)``),
+    in the start state's dtypes."""
+    start = {k: v for k, v in start.items() if not k.startswith(FOLDED)}
+    out: State = {}
+    residuals: dict[str, torch.Tensor] = {}
+    pairs = lora_pairs(list(start))
+    for a_key, b_key in pairs:
+        got = agg.pair_from_means(mean, a_key, b_key, scaling, rank, start)
+        out[a_key], out[b_key] = got.a.to(start[a_key].dtype), got.b.to(start[b_key].dtype)
+        if got.residual is not None:
+            residuals[a_key] = got.residual
+    paired = {k for p in pairs for k in p}
+    for key in sorted(set(start) - paired):
+        out[key] = mean(key).to(start[key].dtype)
     return out, residuals

@@ -17,6 +17,13 @@ from fedhisto.fedmath.lora_aggregators import Aggregator, Pair, weighted_mean
 
 class FactorMean(Aggregator):
     name = "factor_mean"
+    secure_form = "A_k and B_k"
 
     def pair(self, factors, weights, scaling, rank):
         return Pair(weighted_mean([a for a, _ in factors], weights), weighted_mean([b for _, b in factors], weights))
+
+    def secure_pair_terms(self, a, b, scaling, a_key, b_key):
+        return {a_key: a, b_key: b}
+
+    def pair_from_means(self, mean, a_key, b_key, scaling, rank, start):
+        return Pair(mean(a_key), mean(b_key))

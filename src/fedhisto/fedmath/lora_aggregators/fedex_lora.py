@@ -29,6 +29,18 @@ class FedExLoRA(Aggregator):
         a, b = a.to(dtype), b.to(dtype)  # the residual is taken against the factors as sent, so rounding is folded too
         return Pair(a, b, full - scaling * (b.double() @ a.double()))
 
+    secure_form = "A_k, B_k and s B_k A_k (dense)"
+
+    def secure_pair_terms(self, a, b, scaling, a_key, b_key):
+        from fedhisto.fedmath.secure_sums import Product
+
+        return {a_key: a, b_key: b, f"{a_key}#product": Product(b, a, scaling)}
+
+    def pair_from_means(self, mean, a_key, b_key, scaling, rank, start):
+        dtype = start[a_key].dtype
+        a, b = mean(a_key).to(dtype), mean(b_key).to(dtype)  # the residual against the factors as sent, as pair()
+        return Pair(a, b, mean(f"{a_key}#product") - scaling * (b.double() @ a.double()))
+
     def extra_down_bytes(self, state: State) -> int:
         """The dense offset of every module's frozen weight, out x in each: the real ``folded_base.*``
         tensors of a member state that carries them (``fold``), else (a state before the first fold, as

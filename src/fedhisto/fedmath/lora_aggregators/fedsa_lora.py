@@ -21,6 +21,7 @@ from fedhisto.fedmath.lora_aggregators import Aggregator, Pair, weighted_mean
 class FedSALoRA(Aggregator):
     name = "fedsa_lora"
     local_factor = "lora_B"
+    secure_form = None  # one model per site: the engines that run it keep each site's B apart (not on sums)
 
     def pair(self, factors, weights, scaling, rank):
         return Pair(weighted_mean([a for a, _ in factors], weights), weighted_mean([b for _, b in factors], weights))

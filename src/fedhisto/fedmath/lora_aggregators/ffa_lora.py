@@ -24,3 +24,13 @@ class FFALoRA(Aggregator):
     def pair(self, factors, weights, scaling, rank):
         # every returned A is the broadcast A_0, checked against the round's start (``check_frozen``)
         return Pair(factors[0][0].clone(), weighted_mean([b for _, b in factors], weights))
+
+    # Under secure aggregation A never leaves a site (it is A_0, the server's too), so the server cannot
+    # check that a site kept it frozen, as ``check_frozen`` does in the clear.
+    secure_form = "B_k (A stays A_0, never uploaded)"
+
+    def secure_pair_terms(self, a, b, scaling, a_key, b_key):
+        return {b_key: b}
+
+    def pair_from_means(self, mean, a_key, b_key, scaling, rank, start):
+        return Pair(start[a_key].clone(), mean(b_key))

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedhisto.fedmath.lora_aggregators import FOLDED, Aggregator, State, aggregate_states
+from fedhisto.fedmath.lora_aggregators import FOLDED, Aggregator, State, aggregate_means, aggregate_states
 
 
 def is_folded(key: str) -> bool:
@@ -62,6 +62,20 @@ def aggregate_with_fold(agg: Aggregator, states: Sequence[State], weights: Seque
     float64 and stored in ``dtype``, the base weights'). Every site starts a round from the same
     ``start`` (one global model), so its offsets are the ones the sites trained on."""
     merged, residuals = aggregate_states(agg, [trainable_part(s) for s in states], weights, scaling, rank)
+    return fold_residuals(agg, merged, residuals, start, dtype)
+
+
+def aggregate_means_with_fold(agg: Aggregator, mean, scaling: float, rank: int, start: Mapping[str, torch.Tensor],
+                              dtype: torch.dtype) -> State:
+    """``aggregate_with_fold`` from the weighted means of the sites' masked terms (secure aggregation:
+    ``lora_aggregators.aggregate_means``)."""
+    merged, residuals = aggregate_means(agg, mean, dict(start), scaling, rank)
+    return fold_residuals(agg, merged, residuals, start, dtype)
+
+
+def fold_residuals(agg: Aggregator, merged: State, residuals: dict[str, torch.Tensor],
+                   start: Mapping[str, torch.Tensor], dtype: torch.dtype) -> State:
+    """``merged`` with the new cumulative offsets D_t = D_{t-1} + R_t of a folding aggregator."""
     previous = {k: v for k, v in start.items() if is_folded(k)}
     if not residuals:
         if previous:
