@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -215,12 +216,21 @@ def test_the_report_draws_the_table_and_figure(tmp_path):
     assert (tmp_path / "robustness.png.prov.json").exists() and "Site robustness" in (tmp_path / "robustness.md").read_text()
 
 
-def test_the_methods_guide_reading_is_the_renderers_output_on_the_committed_rows():
-    from fedhisto.metrics.robustness_reading import read_robustness_csv, replace_block, robustness_reading
+def test_the_methods_guide_reading_is_the_renderers_output_on_the_committed_rows(tmp_path):
+    from fedhisto.metrics.robustness_reading import (
+        read_robustness_csv,
+        render,
+        replace_block,
+        robustness_reading,
+    )
 
     guide = (REPO / "docs/methods.md").read_text()
     rows = read_robustness_csv(REPO / "docs/experiments/robustness_embedded_default.csv")
     assert replace_block(guide, "robustness", robustness_reading(rows)) == guide
+    results = tmp_path / "results"
+    (results / "metrics").mkdir(parents=True)
+    shutil.copy(REPO / "docs/experiments/robustness_embedded_default.csv", results / "metrics/robustness.csv")
+    assert render(results) == robustness_reading(rows)
     assert "Reading:" in robustness_reading(rows)
 
 

@@ -107,6 +107,12 @@ def robustness_reading(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render(results_dir: str | Path) -> str:
+    """The block from a results folder (``metrics/robustness.csv`` under it): the renderer a result-block
+    registry calls with a recorded run's folder."""
+    return robustness_reading(read_robustness_csv(Path(results_dir) / "metrics" / "robustness.csv"))
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     """``text`` with the lines between ``<!-- generated:NAME begin -->`` and ``... end -->`` replaced by ``body``."""
     begin, end = f"<!-- generated:{name} begin -->", f"<!-- generated:{name} end -->"
