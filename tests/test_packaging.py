@@ -46,6 +46,8 @@ def test_readme_opens_with_run_and_test_commands_and_ci_runs_the_test_one(repo: 
     ci_steps = [step for _, command in lanes for step in _steps(command)]
     for marker in ("pytest -m slurm", "pytest -m flower", "pytest -m zoo", "pytest -m study"):
         proof = next(b.strip() for b in blocks if marker in b)
+        if marker in ("pytest -m flower", "pytest -m zoo"):  # a venv of its own: a lock first, as the test command
+            assert re.search(r"python3 -m venv \S+ && \. \S+ && pip install -r envs/\S+\.txt && ", proof), proof
         # every step of the README's proof runs in CI, in the README's order (pip may be called by path)
         steps = _steps(proof)
         positions = [next((k for k, c in enumerate(ci_steps) if step in c), None) for step in steps]

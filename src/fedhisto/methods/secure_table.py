@@ -1,6 +1,6 @@
 """The generated table of secure aggregation: per registered method, whether it runs, what the coordinator
 learns, what a site uploads masked, how far the result is from the in-process aggregate, and how many
-sites a masked sum may lose (the block ``secure_aggregation`` of docs/federation.md and docs/methods.md).
+sites a masked sum may lose (the block ``secure_aggregation`` of docs/methods.md, written by ``fedhisto records``).
 
 Everything comes from the registry and each method's own declaration (``Strategy.secure_aggregation``)
 and hooks, on the real tensors' shapes: the tiny encoder's model as the given config builds it, and
@@ -67,6 +67,10 @@ def round_bytes(method: Any, model: Any) -> tuple[int, int]:
     return masked, plain
 
 
+#: What every method exchanging a model lets the coordinator learn besides the sum (said once, in the header).
+PUBLIC_COUNTS = "each site's sample count n_k (public since site preparation)"
+
+
 def _mib(n: int) -> str:
     return f"{n / MIB:.3f}"
 
@@ -90,17 +94,15 @@ def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
             models[key] = meta_model(encoder, name, model_cfg)
         return models[key]
 
-    lines = ["| method | runs under secure aggregation | what the coordinator learns | masked upload per site and "
-             "round, MiB: tiny / HIBOU-B (the trainable state, for scale) | difference from the in-process "
-             "aggregate | sites a masked sum may lose |", "|---|---|---|---|---|---|"]
+    rows: dict[str, list[str]] = {}  # a row's cells after the first -> the methods sharing them, in registry order
     for name in method_names():
         method = build_method(name, cfg)
         decl = method.secure_aggregation()
         if not decl.runs:
-            lines.append(f"| {name} | no | refused: {decl.refusal} | - | - | - |")
+            rows.setdefault(f"no | refused: {decl.refusal.replace(name, 'it')} | - | - | -", []).append(name)
             continue
         if not decl.exchanges:
-            lines.append(f"| {name} | not applicable: runs as without | {'; '.join(decl.learns)} | none | none | - |")
+            rows.setdefault(f"not applicable: runs as without | {'; '.join(decl.learns)} | none | none | -", []).append(name)
             continue
         sizes = [round_bytes(method, model_of(enc, name, mc)) for enc, mc in (("tiny", cfg.model),
                                                                               ("hibou-b", ModelConfig()))]
@@ -113,19 +115,26 @@ def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
         how = {"public_counts": "sample-mass weights from the stated counts", "uniform": "uniform weights",
                "statistics": "weights from the statistics (a first masked sum)"}[decl.weights]
         runs = f"yes; {how}; masked sums per round: " + "; ".join(f"({i}) {x}" for i, x in enumerate(sums, 1))
-        learns = "; ".join(["the weighted sum over the sites that answered", *decl.learns])
+        learns = "; ".join(x for x in decl.learns if x != PUBLIC_COUNTS) or "nothing more"
         diff = f"<= {bound:.1e} per averaged value ({sites} sites)"
         if "s B_k A_k" in decl.summed and "A_k, B_k" not in decl.summed:  # refactorised from the dense sum
             diff += "; LoRA factors the same up to the sign of each singular direction"
         if decl.weights == "statistics":
             diff += "; weights computed from the quantised sum S"
         least = max(2, decl.min_sites, threshold)
-        lines.append(f"| {name} | {runs} | {learns} | {masked} | {diff} | {max(sites - least, 0)} of {sites} "
-                     f"(at least {least} must remain) |")
+        rows.setdefault(f"{runs} | {learns} | {masked} | {diff} | {max(sites - least, 0)} of {sites} "
+                        f"(at least {least} must remain)", []).append(name)
+    # methods whose declarations give the same cells share one row (the ablations, the FedAvg-style family)
+    lines = ["| methods | runs under secure aggregation | what the coordinator learns (where it runs: beyond the "
+             "weighted sum over the sites that answered and each site's sample count n_k, public since site "
+             "preparation) | masked upload per site and "
+             "round, MiB: tiny / HIBOU-B (the trainable state, for scale) | difference from the in-process "
+             "aggregate | sites a masked sum may lose |", "|---|---|---|---|---|---|"]
+    lines += [f"| {', '.join(names)} | {cells} |" for cells, names in rows.items()]
     return "\n".join(lines) + "\n"
 
 
-#: The name of the generated block in docs/federation.md and docs/methods.md.
+#: The name of the generated block in docs/methods.md.
 BLOCK = "secure_aggregation"
 #: The tiny encoder's model as the embedded default (config/config.yaml) builds it; HIBOU-B's is the study's.
 TINY_MODEL = {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 32, "film_hidden": 32}

@@ -120,7 +120,7 @@ def record(results: str | Path, run: str = "default", root: Path = REPO_DIR) -> 
     results = Path(results)
     if not results.is_dir():
         raise RecordError(f"{results}: no results folder")
-    entries = [e for e in RECORDS.values() if e.run == run and e.record is None]
+    entries = [e for e in RECORDS.values() if e.run == run and e.record is None and not e.from_code]
     present = [e for e in entries if all((results / rel).is_file() for rel in e.inputs)]
     if not present:
         raise RecordError(f"{results}: holds the inputs of no result block of run {run!r} "
@@ -185,6 +185,8 @@ def render_block(name: str, root: Path = REPO_DIR, today: Tree | None = None,
     if name not in RECORDS:
         raise RecordError(f"no result block {name!r} is registered (fedhisto.registries.record_registry)")
     entry = RECORDS[name]
+    if entry.from_code:
+        return entry.renderer()()
     if entry.record is not None:
         return render_committed(entry, root)
     folder = root / RECORDS_DIR / entry.run

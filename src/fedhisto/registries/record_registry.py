@@ -11,6 +11,8 @@ A result block shows numbers that a run or a measurement made. Two kinds:
   and ``made_by``, the command that writes it: the reference tests' differences, the first command's timing):
   the renderer is ``render(record: dict) -> markdown``. No results folder is involved; until the command has
   written the record, the block says so (``pending``).
+- **From the code** (``from_code``: a table the registries themselves make, such as what the coordinator
+  learns under secure aggregation): the renderer is ``render() -> markdown``; the block is exactly its output.
 
 ``fedhisto records`` writes every block of both kinds into every guide that holds
 ``<!-- generated:NAME begin -->`` ... ``<!-- generated:NAME end -->`` (:mod:`fedhisto.records`). A plugin's
@@ -39,6 +41,7 @@ class RecordEntry:
     record: str | None = None  # a committed JSON record, relative to the repository (instead of inputs)
     made_by: str = ""  # the command that writes ``record``
     pending: str = ""  # what the block says until ``record`` exists
+    from_code: bool = False  # rendered from the code alone: function() -> str
 
     def renderer(self) -> Callable[[Any], str]:
         module, _, function = self.target.partition(":")
@@ -50,7 +53,7 @@ RECORDS: dict[str, RecordEntry] = {}
 
 def register(name: str, target: str, *, inputs: tuple[str, ...] | list[str] = (),
              stages: tuple[str, ...] | list[str] = (), run: str = "default", record: str | None = None,
-             made_by: str = "", pending: str = "", replace: bool = False) -> RecordEntry:
+             made_by: str = "", pending: str = "", from_code: bool = False, replace: bool = False) -> RecordEntry:
     """Add a result block ``name`` rendered by ``target``: from ``inputs`` (relative to a results folder), or
     from the committed JSON ``record`` (relative to the repository) that the command ``made_by`` writes."""
     if not _NAME.match(name):
@@ -59,7 +62,10 @@ def register(name: str, target: str, *, inputs: tuple[str, ...] | list[str] = ()
         raise ValueError(f"record {name!r} is registered already ({RECORDS[name].target}); pass replace=True")
     if ":" not in target:
         raise ValueError(f"record {name!r}: target {target!r} is not 'module:function'")
-    if record is not None:
+    if from_code:
+        if inputs or stages or record is not None:
+            raise ValueError(f"record {name!r}: a block rendered from the code takes no inputs, stages or record")
+    elif record is not None:
         if inputs or stages:
             raise ValueError(f"record {name!r}: a committed record ({record}) takes no inputs or stages")
         if Path(record).is_absolute() or ".." in Path(record).parts or not record.endswith(".json"):
@@ -68,7 +74,8 @@ def register(name: str, target: str, *, inputs: tuple[str, ...] | list[str] = ()
             raise ValueError(f"record {name!r}: name the command that writes {record} (made_by)")
     elif not inputs or any(Path(p).is_absolute() or ".." in Path(p).parts for p in inputs):
         raise ValueError(f"record {name!r}: inputs must be paths inside a results folder, got {list(inputs)}")
-    RECORDS[name] = entry = RecordEntry(name, target, tuple(inputs), tuple(stages), run, record, made_by, pending)
+    RECORDS[name] = entry = RecordEntry(name, target, tuple(inputs), tuple(stages), run, record, made_by, pending,
+                                        from_code)
     return entry
 
 
@@ -115,3 +122,6 @@ register("first_command_timing", "fedhisto.records.first_command:render",
          record="benchmarks/records/first_command_timing.json", made_by="python benchmarks/first_command_timing.py",
          pending="**FIGURE PENDING:** not measured yet; on a quiet machine `python benchmarks/first_command_timing.py` "
                  "times the first command above in a fresh clone and `fedhisto records` writes the figure here.")
+
+# ------------------------------------------------------------------ blocks from the code
+register("secure_aggregation", "fedhisto.methods.secure_table:render_secure_aggregation", from_code=True)
