@@ -14,5 +14,5 @@ if "snakemake" in globals():
     train_dir = Path(smk.input.status[0]).parents[2]
     call("fedhisto.export.stage:run_export", smk.wildcards.method, cfg, smk.output.package,
          train_root=train_dir, predictions_root=Path(smk.input.predictions[0]).parents[2],
-         descriptors_json=smk.input.descriptors, manifest_json=smk.input.identity,
+         descriptors_json=smk.input.descriptors, manifest_json=smk.input.identity, manifest_csv=smk.input.manifest,
          encoder_dir=smk.input.encoder[0] if smk.input.encoder else None, log_path=smk.log[0])

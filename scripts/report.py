@@ -1,4 +1,4 @@
-"""Stage report: results/tables (Table 2 as built, Tables 4-8, CSV and Markdown) and results/figures.
+"""Stage report: results/tables (Table 2 as built, Tables 4-8, site robustness; CSV and Markdown) and results/figures.
 
 Standalone: ``python scripts/report.py --config config/config.yaml`` after the metrics and bootstrap stages.
 """
@@ -18,7 +18,8 @@ if "snakemake" in globals():
     # cost the job process 4 s of CPU on the pipeline's last step
     call("fedhisto.report.stage:run_report_of_config", cfg, smk.input.metrics, list(smk.input.bootstrap),
          smk.input.communication, external, Path(smk.output.t4).parent, Path(smk.output.ensemble).parent,
-         Path(smk.input.composition).parent, bootstrap=dict(smk.params.bootstrap), log_path=log_of(smk))
+         Path(smk.input.composition).parent, bootstrap=dict(smk.params.bootstrap),
+         robustness_csv=smk.input.robustness, log_path=log_of(smk))
 elif __name__ == "__main__":
     config, args = from_argv(__doc__)
     from fedhisto.caveats import method_caveats, run_caveats
@@ -32,4 +33,5 @@ elif __name__ == "__main__":
     run_report("results/metrics/metrics.json", [f"results/bootstrap/{n}.json" for n in names],
                "results/accounting/communication.csv", external, "results/tables", "results/figures", "results/manifest",
                bootstrap=config.bootstrap.model_dump(include={"seed", "resamples", "confidence"}),
-               caveats=run_caveats(config), method_caveats=method_caveats(config))
+               caveats=run_caveats(config), method_caveats=method_caveats(config),
+               robustness_csv="results/metrics/robustness.csv")

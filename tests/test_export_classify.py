@@ -451,3 +451,202 @@ def test_export_is_complete_or_absent(run, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         run_export(*args)
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []  # no package, no temporary folder left
+
+
+# ---------------------------------------------------------------- the domain check and the model card's data
+
+
+def linked_folder(rows: list[dict], folder: Path) -> Path:
+    """The manifest rows' images under one folder (site-prefixed names: the sites reuse file names)."""
+    folder.mkdir(parents=True)
+    for r in rows:
+        (folder / f"{r['site']}_{Path(r['path']).name}").symlink_to(r["path"])
+    return folder
+
+
+def manifest_rows(prepared: dict, split: str) -> list[dict]:
+    with Path(prepared["manifest"]).open() as fh:
+        return [r for r in csv.DictReader(fh) if r["split"] == split]
+
+
+def test_domain_statistics_pool_the_sites_sums_as_scikit_learn_and_scipy_compute_them():
+    from scipy.spatial.distance import mahalanobis
+    from sklearn.covariance import OAS
+
+    from fedhisto.export.domain_stats import embedding_statistics, mahalanobis_scores, site_statistics
+
+    rng = np.random.default_rng(5)
+    sites, xs, ys = [], [], []
+    for k, n in enumerate((40, 25, 60)):  # three sites, one without class 2 (as C5 has no SCC)
+        y = rng.integers(0, 2 if k == 1 else 3, n)
+        x = rng.normal(size=(n, 12)) + 3 * np.eye(3, 12)[y] + 0.5 * k
+        sites.append(site_statistics(x, y, 3))
+        xs.append(x)
+        ys.append(y)
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    stats = embedding_statistics(sites)
+    means = np.stack([x[y == c].mean(0) for c in range(3)])
+    assert np.allclose(stats["class_means"], means, atol=1e-5)
+    assert stats["class_counts"].tolist() == np.bincount(y, minlength=3).tolist()
+    oas = OAS(assume_centered=True).fit(x - means[y])  # the within-class covariance, shrunk as scikit-learn does
+    assert np.allclose(stats["covariance"], oas.covariance_, atol=1e-5)
+    assert stats["shrinkage"][0] == pytest.approx(oas.shrinkage_, rel=1e-5)
+    z = rng.normal(size=(7, 12)) * 2
+    vi = np.linalg.inv(oas.covariance_)
+    want = [min(mahalanobis(v, mu, vi) for mu in means) for v in z]
+    assert np.allclose(mahalanobis_scores(z, stats), want, rtol=1e-4)
+
+
+def test_the_conformal_threshold_keeps_its_stated_false_flag_rate():
+    from fedhisto.export.domain_stats import conformal_threshold
+
+    s = np.arange(1, 40)[::-1].astype(float)  # 39 scores: k = ceil(40 * 0.95) = 38, the 38th smallest
+    t = conformal_threshold(s, 0.05)
+    assert (t["k"], t["threshold"], t["calibration_flagged"], t["reachable"]) == (38, 38.0, 1, True)
+    assert t["bound"] == pytest.approx(1 - 38 / 40)
+    small = conformal_threshold(s[:9], 0.05)  # 9 scores cannot reach 5 %: the largest, bound 1 / 10
+    assert (small["threshold"], small["bound"], small["reachable"]) == (39.0, pytest.approx(0.1), False)
+    # exchangeable in-domain images: flagged at most at the bound (20,000 draws: SE 0.0015)
+    rng = np.random.default_rng(0)
+    flags = []
+    for _ in range(20_000):
+        draw = rng.gamma(3.0, size=40)
+        flags.append(draw[39] > conformal_threshold(draw[:39], 0.05)["threshold"])
+    assert np.mean(flags) <= 0.05 + 3 * 0.0015
+
+
+@pytest.fixture(scope="module")
+def folders(run, prepared, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("domain")
+    return {split: linked_folder(manifest_rows(prepared, split), root / split) for split in ("holdout", "test")}
+
+
+def test_classify_flags_the_external_site_and_keeps_the_internal_test_in_domain(run, folders, tmp_path, capsys):
+    out = tmp_path / "ext.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(run["images"]), "--out", str(out)) == 0
+    rows = read_csv(out)
+    assert {"ood_score", "in_domain"} <= set(rows[0]) and {r["in_domain"] for r in rows} <= {"yes", "no"}
+    domain = json.loads((tmp_path / "ext.json").read_text())["domain"]
+    flagged = sum(r["in_domain"] == "no" for r in rows)
+    assert domain["verdict"] == "outside" and domain["line"].startswith("the folder is OUTSIDE what the model saw")
+    assert flagged == domain["embedding"]["flagged"] and flagged >= len(rows) / 2  # the shifted stain and scanner
+    logged = [line for line in capsys.readouterr().err.splitlines() if "classify: domain:" in line]
+    assert len(logged) == 1 and logged[0].endswith(f"classify: domain: {domain['line']}")
+    assert domain["descriptor"]["available"] and domain["descriptor"]["mahalanobis"] > 0
+
+    out = tmp_path / "test.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(folders["test"]), "--out", str(out)) == 0
+    rows = read_csv(out)
+    domain = json.loads((tmp_path / "test.json").read_text())["domain"]
+    # unshifted internal images never used for calibration: mostly in domain (the tiny cohort's 12 holdout
+    # images set the threshold at their largest score, so the bound is 1/13 and a few flags are expected)
+    assert domain["verdict"] == "within" and domain["line"].startswith("the folder is within what the model saw")
+    assert sum(r["in_domain"] == "no" for r in rows) <= len(rows) / 3
+
+
+def test_the_false_flag_rate_is_stated_and_holds_on_the_calibration_holdouts(run, folders, prepared, tmp_path):
+    meta = json.loads((run["pkg"] / "package.json").read_text())
+    calibration = meta["domain"]["embedding"]["calibration"]
+    holdouts = manifest_rows(prepared, "holdout")
+    assert calibration["n"] == len(holdouts) == sum(len(v) for v in calibration["scores"].values())
+    out = tmp_path / "h.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(folders["holdout"]), "--out", str(out),
+                    "--false-flag-rate", "0.25") == 0
+    rows = read_csv(out)
+    domain = json.loads((tmp_path / "h.json").read_text())["domain"]
+    thr = domain["embedding"]["threshold"]
+    n = len(holdouts)
+    k = int(np.ceil((n + 1) * 0.75))  # the conformal rank, written afresh
+    assert domain["false_flag_rate"] == 0.25 and thr["k"] == k and thr["bound"] == pytest.approx(1 - k / (n + 1))
+    assert thr["bound"] <= 0.25 and domain["calibration_images"] == n
+    # the calibration images scored again by classify: their own scores, so exactly n - k of them are flagged
+    scores = sorted(float(r["ood_score"]) for r in rows)
+    stored = sorted(s for v in calibration["scores"].values() for s in v)
+    assert np.allclose(scores, stored, rtol=1e-5)
+    assert sum(r["in_domain"] == "no" for r in rows) == n - k == thr["calibration_flagged"]
+
+
+def _leave_one_site_out_afresh(scores: dict[str, list[float]], rate: float) -> dict[str, float]:
+    """Split conformal prediction (Vovk et al.; Angelopoulos & Bates 2021, eq. 1), one site held out at a time:
+    the threshold is the ceil((n + 1)(1 - rate))-th smallest of the other sites' n scores (the largest when
+    that rank passes n), and the rate is the share of the held-out site's scores above it."""
+    out = {}
+    for site, own in scores.items():
+        others = np.sort(np.concatenate([v for s, v in scores.items() if s != site]))
+        rank = min(len(others), int(np.ceil((len(others) + 1) * (1 - rate))))
+        out[site] = float(np.mean(np.asarray(own) > others[rank - 1] * (1 + 1e-5)))
+    return out
+
+
+def test_the_false_flag_rate_on_a_site_the_threshold_never_saw_is_stated_in_card_and_json(run, folders, tmp_path):
+    meta = json.loads((run["pkg"] / "package.json").read_text())
+    emb = meta["domain"]["embedding"]
+    scores = emb["calibration"]["scores"]
+    assert len(scores) >= 2  # the tiny cohort's sites each score their holdout
+    loso = emb["leave_one_site_out"]
+    want = _leave_one_site_out_afresh(scores, 0.05)
+    assert loso["rate"] == 0.05 and {s: v["rate"] for s, v in loso["sites"].items()} == pytest.approx(want)
+    n = sum(len(v) for v in scores.values())
+    assert loso["images"] == n and loso["pooled_rate"] == pytest.approx(
+        sum(want[s] * len(v) for s, v in scores.items()) / n)
+    card = json.loads((run["pkg"] / "model_card.json").read_text())["domain_check"]
+    thr = emb["default_threshold"]
+    assert card == {"rate": 0.05, "calibration_images": n, "threshold": thr["threshold"], "bound": thr["bound"],
+                    "leave_one_site_out": {"pooled_rate": loso["pooled_rate"], "images": n,
+                                           "sites": {s: v["rate"] for s, v in loso["sites"].items()}}}
+    md = (run["pkg"] / "model_card.md").read_text()
+    assert "## Domain check" in md and f"{loso['pooled_rate']:.1%} of {n} images flagged" in md
+    assert f"at most {thr['bound']:.1%}" in md
+    # classify states it at the rate it was asked for
+    out = tmp_path / "h.csv"
+    assert classify("--model", str(run["pkg"]), "--images", str(folders["holdout"]), "--out", str(out),
+                    "--false-flag-rate", "0.25") == 0
+    got = json.loads((tmp_path / "h.json").read_text())["domain"]["embedding"]["leave_one_site_out"]
+    assert got["rate"] == 0.25
+    assert {s: v["rate"] for s, v in got["sites"].items()} == pytest.approx(_leave_one_site_out_afresh(scores, 0.25))
+
+
+def test_the_model_card_names_its_data_and_says_demonstration(run, prepared):
+    from safetensors.numpy import load_file
+
+    card_md = (run["pkg"] / "model_card.md").read_text()
+    assert card_md.splitlines()[0].startswith("**Demonstration model, not for real tissue.**")
+    card = json.loads((run["pkg"] / "model_card.json").read_text())
+    data = card["data"]
+    assert card["demonstration"] and data["demonstration"] and data["kind"] == "synthetic"
+    assert data["sources"] == [{"source": "synthetic", "kind": "synthetic", "images": len(read_csv(Path(prepared["manifest"]))),
+                                "cohorts": ["external", "internal"]}]
+    rows = read_csv(Path(prepared["manifest"]))
+    for client, v in data["training_sites"].items():
+        for split in ("optimisation", "holdout"):
+            want = {c: sum(r["client"] == client and r["split"] == split and r["label"] == c for r in rows)
+                    for c in CLASSES}
+            assert v[split] == want, (client, split)
+        assert v["sites"] == [f"site{client[1]}"]
+    assert data["evaluation"]["external cohort"]["images"] == 32
+    assert "randomly initialised" in data["encoder"]["weights"]  # TINY: require_pretrained false
+    assert len(data["descriptor_range"]["raw_min"]) == 14 and "## Data" in card_md
+    assert "| C1 | site1 (synthetic) |" in card_md and "demonstrat" in card["limitations"][0].lower()
+    for s in SEEDS:
+        stats = load_file(str(run["pkg"] / f"members/seed{s}/domain.safetensors"))
+        assert set(stats) == {"class_means", "class_counts", "covariance", "shrinkage"}
+        assert stats["covariance"].shape == (64, 64) and stats["class_counts"].sum() > 0
+
+
+def test_a_package_without_domain_statistics_still_classifies_and_says_so(run, tmp_path):
+    from fedhisto.export.package import DOMAIN_FILE, write_checksums
+
+    old = tmp_path / "old"
+    shutil.copytree(run["pkg"], old)
+    meta = json.loads((old / "package.json").read_text())
+    del meta["domain"]
+    (old / "package.json").write_text(json.dumps(meta))
+    for p in old.rglob(DOMAIN_FILE):
+        p.unlink()
+    (old / "SHA256SUMS").unlink()
+    write_checksums(old)
+    out = tmp_path / "o.csv"
+    assert classify("--model", str(old), "--images", str(run["images"]), "--out", str(out)) == 0
+    assert {(r["ood_score"], r["in_domain"]) for r in read_csv(out)} == {("", "")}
+    domain = json.loads((tmp_path / "o.json").read_text())["domain"]
+    assert domain["verdict"] == "unknown" and "export it again" in domain["line"]

@@ -2,7 +2,9 @@
 (scale only, and three stated settings: crop 56, two methods, no zoom views) on folders made here in the three datasets'
 real layouts, with the real HIBOU-B architecture randomly initialised and saved as a local snapshot folder
 (model.encoder.local_dir; the strict loader takes it as the hub's snapshot, require_pretrained stays true),
-run by `snakemake --cores 2` through every stage to the report."""
+run by `snakemake --cores 2` through every stage to the report, and through export and classify (two folders:
+the external LungHist700 tiles and the internal LC25000 ones) so the domain check and the site-robustness
+measures run at the study's encoder shape."""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ def rehearsal(tmp_path_factory, snakemake_bin: str) -> dict:
     encoder = save_random_hibou_b(base / "hibou-b")
     paths = base / "paths.yaml"  # only the test-made paths
     paths.write_text(yaml.safe_dump({"cohort": {"real": {"sources": sources_overlay(folders)}},
-                                     "model": {"encoder": {"local_dir": str(encoder)}}}))
+                                     "model": {"encoder": {"local_dir": str(encoder)}},
+                                     "classify": {"folders": {"external": str(folders.lunghist700),
+                                                              "internal": str(folders.lc25000)}}}))
     workdir = base / "run"
     command = ["snakemake", "--cores", "2", "all", "--configfile", "config/paper.yaml", str(OVERLAY), str(paths)]
     t0 = time.monotonic()
@@ -127,3 +131,30 @@ def test_no_job_was_killed_and_the_cost_is_recorded(rehearsal: dict):
     assert not re.search(r"ended \(signal", server_log)
     (rehearsal["workdir"] / "cost.json").write_text(json.dumps({"wall_s": round(rehearsal["wall_s"], 1),
                                                                   "peak_job_rss_gib": max(peaks)}))
+
+
+def test_the_domain_check_and_site_robustness_run_at_the_studys_encoder_shape(rehearsal: dict):
+    from safetensors.numpy import load_file
+
+    wd = rehearsal["workdir"]
+    rows = _csv(wd / "results/metrics/robustness.csv")
+    adapted = {(r["method"], r["seed"]) for r in rows if r["encoder_state"] == "adapted"}
+    assert adapted == {(m, s) for m in ("fedavg_peft", "past_v2") for s in ("11", "22")}
+    assert [r["method"] for r in rows if r["encoder_state"] == "frozen"] == ["frozen_encoder"]
+    for r in rows:  # nine test images: RI where croma can score them, a stated reason otherwise; APD needs more
+        assert r["n_images"] == "9" and (0.0 <= float(r["ri"]) <= 1.0 if r["ri"] else "RI needs" in r["apd_note"])
+        assert r["apd"] == "" and r["apd_note"]
+    emb = load_file(str(wd / "results/predictions/past_v2/seed11/embeddings.safetensors"))
+    assert emb["frozen"].shape == (9, 768) and emb["adapted/global"].shape == (9, 768)  # HIBOU-B's width
+    assert (wd / "results/figures/robustness.png").exists() and _csv(wd / "results/tables/robustness.csv")
+    pkg = wd / "results/export/past_v2"
+    for s in (11, 22):
+        assert load_file(str(pkg / f"members/seed{s}/domain.safetensors"))["covariance"].shape == (768, 768)
+    card = json.loads((pkg / "model_card.json").read_text())
+    assert card["data"]["kind"] == "real" and not card["demonstration"]  # real layouts, a hub encoder's snapshot
+    assert {s["source"] for s in card["data"]["sources"]} == {"lc25000", "wsss4luad", "lunghist700"}
+    for name in ("external", "internal"):
+        preds = _csv(wd / f"results/classify/{name}/predictions.csv")
+        assert preds and all(r["ood_score"] and r["in_domain"] in ("yes", "no") for r in preds)
+        domain = json.loads((wd / f"results/classify/{name}/predictions.json").read_text())["domain"]
+        assert domain["verdict"] in ("within", "outside") and domain["line"].startswith("the folder is")

@@ -46,7 +46,9 @@ def workdir(tmp_path_factory, repo: Path, snakemake_bin: str) -> Path:
     # what `all` alone left: the study's methods, not the extra comparator local_only (tested below)
     (wd / "after_all.json").write_text(json.dumps({
         "trained": sorted(p.name for p in (wd / "results/train").iterdir()),
-        "table4": (wd / "results/tables/table4_internal.md").read_text()}))
+        "table4": (wd / "results/tables/table4_internal.md").read_text(),
+        "robustness": (wd / "results/metrics/robustness.csv").read_text(),
+        "robustness_table": (wd / "results/tables/robustness.md").read_text()}))
     proc = subprocess.run([snakemake_bin, "-s", str(repo / "Snakefile"), "-d", str(wd), "--cores", "2", "comparators"],
                           capture_output=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr).decode(errors="replace")[-8000:]
@@ -115,6 +117,12 @@ def test_a_classify_folder_after_all_runs_only_export_and_classify(workdir: Path
     assert (workdir / "results/classify/external/contact_sheet.png").stat().st_size > 0
     assert "classify: wrote" in (workdir / "logs/classify/external.log").read_text()
     assert (workdir / "results/export/past_v2/SHA256SUMS").exists()
+    # the external site's shifted stain and scanner: the folder is flagged, the log and the JSON say so
+    domain = json.loads((workdir / "results/classify/external/predictions.json").read_text())["domain"]
+    assert domain["verdict"] == "outside" and f"classify: domain: {domain['line']}" in \
+        (workdir / "logs/classify/external.log").read_text()
+    assert (workdir / "results/export/past_v2/model_card.md").read_text().startswith(
+        "**Demonstration model, not for real tissue.**")
 
 
 def test_changed_parameter_reruns_its_stage(workdir: Path, repo: Path, snakemake_bin: str):
@@ -238,6 +246,26 @@ def test_tables_figures_and_html_report(workdir: Path, repo: Path, snakemake_bin
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     html = (workdir / "report.html").read_text(errors="replace")
     assert "Reliability diagram" in html and "method-level ensembles" in html
+    assert "Site robustness" in html and "robustness.png" in html
+
+
+def test_site_robustness_after_all_and_comparators(workdir: Path):
+    """Every reported run's representation and the frozen encoder's, one row each (local_only: one per site
+    model); the comparator local_only only once its runs exist (after `comparators`), as in the tables."""
+    import csv
+
+    after_all = json.loads((workdir / "after_all.json").read_text())
+    methods = [r["method"] for r in csv.DictReader(after_all["robustness"].splitlines())]
+    assert methods == ["frozen_encoder", "fedavg_peft", "past_v2"]
+    assert "past_v2" in after_all["robustness_table"] and "local_only" not in after_all["robustness_table"]
+    with (workdir / "results/metrics/robustness.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["method"], r["model"], r["encoder_state"]) for r in rows] == [
+        ("frozen_encoder", "", "frozen"), ("fedavg_peft", "global", "adapted"), ("past_v2", "global", "adapted"),
+        *[("local_only", f"C{k}", "adapted") for k in range(1, 6)]]
+    assert all(0.0 <= float(r["ri"]) <= 1.0 and r["n_images"] == "36" for r in rows)
+    assert "frozen_encoder" in (workdir / "results/tables/robustness.md").read_text()
+    assert (workdir / "results/figures/robustness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _macro_f1_of(paths: list[Path], keep=lambda row: True) -> float:

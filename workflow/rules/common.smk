@@ -204,7 +204,7 @@ def comparator_targets():
     runs = [(m, s) for m, s in train_runs() if is_comparator(m)]
     return [f"results/train/{m}/seed{s}/status.json" for m, s in runs] + [
         f"results/bootstrap/{n}.json" for n in comparisons_in_config() if n not in study_comparisons()] + [
-        "results/metrics/summary.csv", "results/tables/table4_internal.csv"]
+        "results/metrics/summary.csv", "results/metrics/robustness.csv", "results/tables/table4_internal.csv"]
 
 
 def seed_groups():

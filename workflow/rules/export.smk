@@ -10,6 +10,7 @@ rule export_model:
         predictions=lambda wildcards: [f"results/predictions/{wildcards.method}/seed{s}/{c}.csv"
                                        for s in method_seeds(wildcards.method) for c in ("test", "external")],
         identity="results/manifest/manifest.json",
+        manifest="results/manifest/manifest.csv",
         descriptors="results/stain/descriptors.json",
         encoder=encoder_input,
     output:

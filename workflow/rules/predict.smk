@@ -1,5 +1,6 @@
 # Stage predict: each validation-selected checkpoint once on global test, client holdouts and
-# the external cohort. One job per method predicts all of its seeds (the files are those of one
+# the external cohort, and the global test images' embeddings (adapted and frozen encoder) for the
+# metrics stage's site-robustness measures. One job per method predicts all of its seeds (the files are those of one
 # job per seed, byte for byte): the encoder, the model and the evaluation images are loaded once
 # instead of once per seed. Methods that train on other seeds than train.seeds (ablations,
 # comparators under train.comparator_seeds) get a rule of their own, named by those seeds.
@@ -22,6 +23,7 @@ for group_seeds, group_methods in seed_groups():
             encoder=encoder_input,
         output:
             expand("results/predictions/{{method}}/seed{seed}/{cohort}.csv", seed=group_seeds, cohort=COHORTS),
+            expand("results/predictions/{{method}}/seed{seed}/embeddings.safetensors", seed=group_seeds),
         wildcard_constraints:
             method="|".join(re.escape(m) for m in group_methods),
         log:
@@ -56,6 +58,7 @@ rule predict_cohorts_one_seed:
         test="results/predictions/{method}/seed{seed}/test.csv",
         holdout="results/predictions/{method}/seed{seed}/holdout.csv",
         external="results/predictions/{method}/seed{seed}/external.csv",
+        embeddings="results/predictions/{method}/seed{seed}/embeddings.safetensors",
     log:
         "logs/predict/{method}/seed{seed}.log",
     params:

@@ -11,6 +11,7 @@ rule make_report:
         composition="results/manifest/composition.csv",
         source_composition="results/manifest/source_composition.csv",
         manifest_summary="results/manifest/manifest.json",
+        robustness="results/metrics/robustness.csv",
     output:
         t2=report("results/tables/table2_partitions.csv", caption="../report/table2.rst", category="Tables"),
         t2_sources="results/tables/table2_sources.csv",
@@ -24,6 +25,10 @@ rule make_report:
         confusion=report("results/figures/confusion_v2.png", caption="../report/confusion.rst", category="Figures"),
         forest=report("results/figures/ablation_forest.png", caption="../report/ablation.rst", category="Figures"),
         reliability=report("results/figures/reliability.png", caption="../report/reliability.rst", category="Figures"),
+        robustness_table=report("results/tables/robustness.csv", caption="../report/robustness_table.rst",
+                                category="Tables"),
+        robustness_figure=report("results/figures/robustness.png", caption="../report/robustness.rst",
+                                 category="Figures"),
     log:
         "logs/report/make_report.log",
     params:

@@ -43,8 +43,10 @@ def _cmd_classify(args: argparse.Namespace) -> int:
     summary = run_classify(args.model, args.images, args.out, descriptor=args.descriptor,
                            calibrate=args.calibration, labels=args.labels, encoder_dir=args.encoder_dir,
                            uncertain_below=args.uncertain_below, max_megapixels=args.max_megapixels,
-                           contact_sheet=args.contact_sheet, threads=args.threads, device=args.device)
-    print(json.dumps({k: summary[k] for k in ("classified", "excluded", "converted", "label_counts")}, indent=2))
+                           contact_sheet=args.contact_sheet, threads=args.threads, device=args.device,
+                           false_flag_rate=args.false_flag_rate)
+    print(json.dumps({**{k: summary[k] for k in ("classified", "excluded", "converted", "label_counts")},
+                      "domain": summary["domain"]["line"]}, indent=2))
     return 0
 
 
@@ -80,6 +82,9 @@ def use_parsers(sub) -> None:
     p.add_argument("--encoder-dir", help="a local snapshot of the package's encoder (packages of hub encoders)")
     p.add_argument("--uncertain-below", type=float, default=0.6,
                    help="flag an image uncertain when its top probability is below this (or members disagree)")
+    p.add_argument("--false-flag-rate", type=float, default=0.05,
+                   help="domain check: the share of in-domain images allowed to be flagged out of domain (the "
+                        "threshold is calibrated on the training sites' holdout images)")
     p.add_argument("--max-megapixels", type=float, default=100.0,
                    help="refuse (list as excluded) images larger than this; tile them first")
     p.add_argument("--contact-sheet", help="PNG path (default: beside --out)")

@@ -77,19 +77,34 @@ def member_probabilities(pkg: Package, images: list[np.ndarray], descriptor: np.
                          device: str = "auto") -> dict[str, np.ndarray]:
     """Per member, the (N x 3) probabilities, uncalibrated (softmax of the logits); ``device`` as
     ``train.device`` (``model.build.device_for``)."""
+    return member_outputs(pkg, images, descriptor, encoder_dir, threads, device=device)[0]
+
+
+def member_outputs(pkg: Package, images: list[np.ndarray], descriptor: np.ndarray | None,
+                   encoder_dir: str | Path | None = None, threads: int = 1,
+                   feature_descriptor: np.ndarray | None = None,
+                   device: str = "auto") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per member, the (N x 3) uncalibrated probabilities with ``descriptor`` and the adapted embeddings with
+    ``feature_descriptor`` (the package's default, the one its domain statistics were taken with): the same
+    forward pass when the two descriptors agree, a second one otherwise."""
     from fedhisto.model.build import device_for
-    from fedhisto.train.inference import predict
+    from fedhisto.train.inference import predict_with_embeddings
 
     torch.set_num_threads(max(threads, 1))
     device = device_for(device)
     model = build_package_model(pkg, encoder_dir).to(device)
     split = Split([str(i) for i in range(len(images))], [0] * len(images), images)
     desc = None if descriptor is None else torch.tensor(descriptor, dtype=torch.float32)
+    fdesc = None if feature_descriptor is None else torch.tensor(feature_descriptor, dtype=torch.float32)
+    same = (desc is None and fdesc is None) or (desc is not None and fdesc is not None and torch.equal(desc, fdesc))
     cfg = eval_settings(pkg)
-    out = {}
+    probs, feats = {}, {}
     with Progress(len(pkg.members), "classify: members", "model") as bar:
         for name, state in pkg.members.items():
             model.load_trainable_state(state)
-            out[name] = predict(model, split, desc, cfg, device).numpy().astype(np.float64)
+            p, z = predict_with_embeddings(model, split, desc, cfg, device)
+            if not same:
+                z = predict_with_embeddings(model, split, fdesc, cfg, device)[1]
+            probs[name], feats[name] = p.numpy().astype(np.float64), z.numpy().astype(np.float64)
             bar.update()
-    return out
+    return probs, feats

@@ -1,6 +1,6 @@
 """A contact sheet: a sample of classified images with their label and confidence, for a person to look at
 before trusting the table. Up to ``per_class`` images per predicted class, evenly spaced through that
-class's rows in file order (deterministic); uncertain rows are marked with '?'."""
+class's rows in file order (deterministic); uncertain rows are marked with '?', out-of-domain ones with '!'."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def contact_sheet(rows: list[dict], folder: Path, path: Path, per_class: int = 8
         thumb = Image.fromarray(load_rgb(folder / r["image"]))
         thumb.thumbnail((THUMB, THUMB))
         sheet.paste(thumb, (x + (THUMB - thumb.width) // 2, y + (THUMB - thumb.height) // 2))
-        mark = " ?" if r["uncertain"] == "yes" else ""
+        mark = (" ?" if r["uncertain"] == "yes" else "") + (" !" if r.get("in_domain") == "no" else "")
         draw.text((x + 2, y + THUMB + 1), f"{r['label']} {float(r['confidence']):.2f}{mark}", fill="black")
         draw.text((x + 2, y + THUMB + 14), Path(r["image"]).name[:20], fill="gray")
     write_with(path, lambda tmp: sheet.save(tmp, format="PNG"))

@@ -8,6 +8,13 @@ were not classified are listed in ``<out>.exclusions.csv`` with the reason; ``<o
 run summary (descriptor values, temperature, threshold, counts, metrics with ``--labels``). Every file
 is written only after every image was scored, each atomically: nothing is half-written.
 
+Domain (:mod:`fedhisto.classify.domain_check`): ``ood_score`` per image (the Mahalanobis distance of its
+adapted embedding to the nearest training class, mean over members) and ``in_domain`` (``no`` above the
+threshold calibrated on the training sites' holdouts at ``--false-flag-rate``); the folder's verdict, from
+the flagged count and from its stain descriptor against the training sites' range, is one line in the log
+and ``domain.line`` in the JSON. A package exported before domain statistics existed leaves both columns
+empty and says so.
+
 Uncertain: the members disagree on the label, or the top probability is below ``--uncertain-below``
 (default 0.6: a triage convention, not a validated operating point; with three classes a top probability
 under 0.6 means a second class holds a sizeable share, a near-tie a person should look at).
@@ -30,7 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from fedhisto import CLASSES
+from fedhisto.classify.domain_check import check_domain
 from fedhisto.classify.images import decode_folder
+from fedhisto.export.domain_stats import FALSE_FLAG_RATE
 from fedhisto.export.package import load_package
 from fedhisto.infra.atomic import write_csv, write_json
 from fedhisto.infra.provenance import provenance_block, write_sidecar
@@ -46,13 +55,21 @@ class ClassifyError(RuntimeError):
     pass
 
 
-def site_descriptor(paths: list[Path], meta: dict) -> tuple[np.ndarray | None, dict]:
+def estimator_block(meta: dict) -> dict | None:
+    """The stain estimator and standardisation a folder's descriptor is computed with: the domain block's
+    (every package since it exists), else a FiLM package's descriptor block; None when neither has them."""
+    for block in (meta.get("domain", {}).get("descriptor"), meta["descriptor"]):
+        if block and "estimator" in block and "standardisation" in block:
+            return block
+    return None
+
+
+def site_descriptor(paths: list[Path], block: dict) -> tuple[np.ndarray | None, dict]:
     """The folder's standardised descriptor, or None (with the reason) when the estimator falls back."""
     from fedhisto.config.data_settings import StainConfig
     from fedhisto.stain.stage import client_descriptor
 
-    desc = meta["descriptor"]
-    stain = StainConfig.model_validate(desc["estimator"])
+    stain = StainConfig.model_validate(block["estimator"])
     chosen = list(paths)
     if len(chosen) > stain.max_images_per_client:  # a seeded sample, as the stain stage samples a client
         rng = np.random.default_rng(SITE_SAMPLE_SEED)
@@ -63,7 +80,7 @@ def site_descriptor(paths: list[Path], meta: dict) -> tuple[np.ndarray | None, d
     if est["fallback"]:
         info["fallback"] = est["fallback"]
         return None, info
-    std = desc["standardisation"]
+    std = block["standardisation"]
     value = (np.asarray(est["raw"]) - np.asarray(std["mean"])) / np.asarray(std["sd"])
     if est["he_check"] and not est["he_check"]["he_like"]:
         log.warning("classify: the folder's stain directions are far from H&E (%s); the model was trained on H&E",
@@ -71,7 +88,8 @@ def site_descriptor(paths: list[Path], meta: dict) -> tuple[np.ndarray | None, d
     return value.astype(np.float32), info
 
 
-def choose_descriptor(kind: str, paths: list[Path], meta: dict) -> tuple[np.ndarray | None, str, dict]:
+def choose_descriptor(kind: str, meta: dict, folder: tuple[np.ndarray | None, dict]) -> tuple[np.ndarray | None, str, dict]:
+    """FiLM's descriptor: ``folder`` is the folder's own estimate (:func:`site_descriptor`)."""
     desc = meta["descriptor"]
     if desc["kind"] == "none":
         return None, "none (method without FiLM)", {}
@@ -83,7 +101,7 @@ def choose_descriptor(kind: str, paths: list[Path], meta: dict) -> tuple[np.ndar
         return centroid, "zero (FiLM-Zero)", {}
     if kind == "centroid":
         return centroid, "centroid", {}
-    value, info = site_descriptor(paths, meta)
+    value, info = folder
     if value is None:
         log.warning("classify: --descriptor site: %s; falling back to the training centroid", info["fallback"])
         return centroid, "centroid (site fallback: too little tissue)", info
@@ -125,8 +143,8 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
                  calibrate: bool = True, labels: str | Path | None = None, encoder_dir: str | Path | None = None,
                  uncertain_below: float = UNCERTAIN_BELOW, max_megapixels: float = 100.0,
                  contact_sheet: str | Path | None = None, resamples: int = 2000, threads: int = 1,
-                 device: str = "auto") -> dict:
-    from fedhisto.classify.runner import member_probabilities
+                 false_flag_rate: float = FALSE_FLAG_RATE, device: str = "auto") -> dict:
+    from fedhisto.classify.runner import member_outputs
     from fedhisto.classify.sheet import contact_sheet as write_sheet
 
     out = Path(out)
@@ -144,8 +162,16 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
     if decoded.converted.count("") < len(decoded.converted):
         log.info("classify: %d image(s) converted to 8-bit RGB on reading", len(decoded.converted)
                  - decoded.converted.count(""))
-    desc, desc_label, desc_info = choose_descriptor(kind, decoded.paths, meta)
-    per_member = member_probabilities(pkg, decoded.images, desc, encoder_dir, threads, device)
+    if not 0 < false_flag_rate < 1:
+        raise ClassifyError(f"--false-flag-rate {false_flag_rate}: must lie in (0, 1)")
+    estimator = estimator_block(meta)
+    folder = site_descriptor(decoded.paths, estimator) if estimator else (None, {"fallback": "no stain statistics"})
+    desc, desc_label, desc_info = choose_descriptor(kind, meta, folder)
+    default = meta["descriptor"]["centroid"]
+    per_member, feats = member_outputs(pkg, decoded.images, desc, encoder_dir, threads,
+                                       None if default is None else np.asarray(default, dtype=np.float32),
+                                       device=device)
+    scores, in_domain, domain = check_domain(pkg, feats, *folder, false_flag_rate)
     raw = np.mean(list(per_member.values()), axis=0)
     temperature = meta["temperature"]["value"] if calibrate else None
     probs = apply_temperature(raw, temperature) if calibrate else raw
@@ -157,6 +183,8 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
         rows.append({"image": rel, **{f"p_{c}": f"{v:.8f}" for c, v in zip(CLASSES, probs[k], strict=True)},
                      "label": CLASSES[int(probs[k].argmax())], "confidence": f"{top:.6f}",
                      "uncertain": "yes" if disagree or top < uncertain_below else "no",
+                     "ood_score": "" if scores is None else f"{scores[k]:.6f}",
+                     "in_domain": "" if in_domain is None else ("yes" if in_domain[k] else "no"),
                      **member_labels, "descriptor": desc_label, "converted": decoded.converted[k]})
     summary = {"model": str(model), "method": meta["method"]["name"], "images": str(images),
                "classified": len(rows), "excluded": len(decoded.exclusions),
@@ -167,7 +195,9 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
                              "count": sum(r["uncertain"] == "yes" for r in rows)},
                "descriptor": {"used": desc_label, "requested": kind,
                               "value": None if desc is None else [float(x) for x in desc], **desc_info},
-               "label_counts": {c: sum(r["label"] == c for r in rows) for c in CLASSES}}
+               "label_counts": {c: sum(r["label"] == c for r in rows) for c in CLASSES},
+               "domain": domain}
+    (log.warning if domain["verdict"] != "within" else log.info)("classify: domain: %s", domain["line"])
     if labels is not None:
         truth = read_labels(labels, decoded.relpaths)
         summary["metrics"] = label_metrics(truth, rows, probs, resamples, 20260730, 0.95)
@@ -180,7 +210,7 @@ def run_classify(model: str | Path, images: str | Path, out: str | Path, descrip
     write_json(out.with_name(out.stem + ".json"), summary)
     write_csv(out, rows)
     write_sidecar(out, provenance_block(STAGE, {"descriptor": kind, "calibrate": calibrate,
-                                                "uncertain_below": uncertain_below},
+                                                "uncertain_below": uncertain_below, "false_flag_rate": false_flag_rate},
                                         {"package": Path(model) / "SHA256SUMS"}))
     log.info("classify: wrote %s (%d rows; %s)", out, len(rows),
              ", ".join(f"{c} {n}" for c, n in summary["label_counts"].items()))

@@ -23,6 +23,9 @@ class ClassifyConfig(Strict):
                                 "data) or each folder's own (falls back to the centroid on too little tissue)")
     calibrate: bool = Field(True, description="temperature-scale with the package's temperature")
     uncertain_below: float = Field(0.6, gt=0, le=1, description="flag images whose top probability is below")
+    false_flag_rate: float = Field(
+        0.05, gt=0, lt=1, description="domain check: share of in-domain images allowed to be flagged out of domain "
+                                      "(threshold calibrated on the training sites' holdouts)")
     folders: dict[str, str] = Field(
         default_factory=dict, description="name -> image folder; results/classify/{name}/predictions.csv each")
 

@@ -12,6 +12,9 @@
                                 peft's own adapter format: ``PeftModel.from_pretrained(encoder, this)``
       members/seed<S>/head.safetensors
                                 residual adapter, FiLM and classifier (the rest of the trainable state)
+      members/seed<S>/domain.safetensors
+                                the member's domain statistics (class means and counts of the training
+                                sites' adapted embeddings, their shared covariance; fedhisto.export.domain_stats)
       members/seed<S>/folded_base.safetensors
                                 only for a method that folds into the frozen weights (FedEx-LoRA): the
                                 dense offset of each adapted module's frozen weight, under the model's
@@ -28,10 +31,11 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedhisto.infra.atomic import write_json, write_text
@@ -94,6 +98,7 @@ def adapter_config(model_block: dict, target_modules: list[str], base: str) -> d
 
 
 FOLDED_FILE = "folded_base.safetensors"
+DOMAIN_FILE = "domain.safetensors"
 
 
 def write_member(folder: Path, state: dict[str, torch.Tensor], lora_config: dict) -> None:
@@ -161,8 +166,10 @@ def check_no_pickle(root: Path) -> None:
 
 
 def write_package(out: Path, meta: dict, members: dict[str, dict[str, torch.Tensor]], lora_config: dict,
-                  card: tuple[str, dict], encoder_folder: Path | None, overwrite: bool = False) -> Path:
-    """Write the whole package into a temporary sibling and rename it onto ``out``."""
+                  card: tuple[str, dict], encoder_folder: Path | None, overwrite: bool = False,
+                  domain: dict[str, dict] | None = None) -> Path:
+    """Write the whole package into a temporary sibling and rename it onto ``out``. ``domain``: per member,
+    the numpy arrays of its ``domain.safetensors``."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise PackageError(f"{out}: exists and is not empty; choose another --out or remove it")
@@ -171,6 +178,11 @@ def write_package(out: Path, meta: dict, members: dict[str, dict[str, torch.Tens
     try:
         for name, state in members.items():
             write_member(tmp / "members" / name, state, lora_config)
+            if domain and name in domain:
+                from safetensors.numpy import save_file
+
+                save_file({k: np.ascontiguousarray(v) for k, v in domain[name].items()},
+                          str(tmp / "members" / name / DOMAIN_FILE), metadata={"format": "np"})
         if encoder_folder is not None:
             shutil.copytree(encoder_folder, tmp / "encoder")
             meta = {**meta, "encoder": {**meta["encoder"], "included": "encoder/",
@@ -195,6 +207,7 @@ class Package:
     root: Path
     meta: dict[str, Any]
     members: dict[str, dict[str, torch.Tensor]]
+    domain: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # member -> its domain statistics
 
     @property
     def encoder_name(self) -> str:
@@ -218,4 +231,18 @@ def load_package(root: str | Path, expect_encoder: str | None = None) -> Package
         bad = [k for k, t in state.items() if not torch.isfinite(t).all()]
         if bad:
             raise PackageError(f"{root}/members/{name}: non-finite tensors {bad[:3]}")
-    return Package(root, meta, members)
+    return Package(root, meta, members, read_domain(root, [m["name"] for m in meta["members"]]))
+
+
+def read_domain(root: Path, names: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """Each member's domain statistics; empty for a package exported before they existed."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for name in names:
+        path = root / "members" / name / DOMAIN_FILE
+        if path.exists():
+            out[name] = load_file(str(path))
+            if not all(np.isfinite(v).all() for k, v in out[name].items() if k != "class_means"):
+                raise PackageError(f"{path}: non-finite domain statistics")
+    return out

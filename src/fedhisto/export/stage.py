@@ -8,6 +8,10 @@ checkpoint of another dataset); the package holds no pickle.
 Calibration: one temperature for the ensemble, fitted (``calibration.fit_temperature``) on the
 ensemble's probabilities on the global validation set, the split that selected every member's
 checkpoint, from each run's ``validation_predictions.csv``; never on test or external images.
+
+Domain: the statistics ``classify``'s domain check reads (:mod:`fedhisto.export.domain_export`), computed
+site by site from the manifest's training-site images; the model card names the data
+(:func:`fedhisto.export.model_card.data_card`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from fedhisto import CLASSES
 from fedhisto.config.study import Config
-from fedhisto.export.model_card import card_json, card_markdown, cohort_metrics
+from fedhisto.export.model_card import card_json, card_markdown, cohort_metrics, data_card
 from fedhisto.export.package import (
     FORMAT,
     PEFT_PREFIX,
@@ -83,12 +87,20 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
                predictions_root: str | Path = "results/predictions",
                descriptors_json: str | Path = "results/stain/descriptors.json",
                manifest_json: str | Path = "results/manifest/manifest.json", encoder_dir: str | None = None,
-               overwrite: bool = False) -> dict:
+               overwrite: bool = False, manifest_csv: str | Path | None = None) -> dict:
+    """``manifest_csv``: the manifest the runs were built from (default: ``manifest.csv`` beside
+    ``manifest_json``), for the domain statistics' images and the model card's data."""
+    from fedhisto.export.domain_export import domain_block
     from fedhisto.methods import build_method
+    from fedhisto.model.build import build_model, pick_device
     from fedhisto.predict.stage import load_eligible_checkpoint
     from fedhisto.train.stage import descriptors_for
 
     train_root, predictions_root = Path(train_root), Path(predictions_root)
+    manifest_csv = Path(manifest_csv) if manifest_csv else Path(manifest_json).with_name("manifest.csv")
+    if not manifest_csv.exists():
+        raise PackageError(f"{manifest_csv}: missing; the package's domain statistics and model card read the "
+                           "manifest the runs were built from")
     m = build_method(method, cfg)
     identity = json.loads(Path(manifest_json).read_text())["dataset_identity"]
     seeds = finalised_seeds(method, cfg, train_root)
@@ -119,6 +131,14 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
                           centroid_raw=doc["centroid"]["raw"], training_clients=sorted(doc["clients"]),
                           estimator=cfg.stain.model_dump(mode="json"))
 
+    # the domain statistics: every member's embeddings of the training sites' images, with the default descriptor
+    model = build_model(cfg, m, seeds[0], encoder_dir).to(pick_device(cfg))
+    stain_doc = json.loads(Path(descriptors_json).read_text())
+    domain, domain_tensors = domain_block(model, members, manifest_csv, cfg,
+                                          None if desc is None else torch.as_tensor(desc, dtype=torch.float32),
+                                          stain_doc)
+    del model
+
     enc, include = encoder_block(cfg, encoder_dir)
     lora, _ = split_state(members[f"seed{seeds[0]}"])
     targets = sorted({k.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for k in lora})
@@ -139,6 +159,7 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
                         f"images, n={len(val_y)}), ensemble probabilities, by NLL (fedhisto.stats.temperature)",
                         "n": len(val_y)},
         "members": member_meta,
+        "domain": domain,
         "dataset_identity": identity,
         "code": code_identity(),
     }
@@ -151,9 +172,12 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
         else:
             log.warning("export %s: no %s predictions under %s; the model card omits them", method, cohort,
                         predictions_root)
-    card = card_json(meta, metrics)
+    data = data_card(manifest_csv, cfg, enc, stain_doc)
+    meta["data"] = data
+    card = card_json(meta, metrics, data)
     try:
-        write_package(Path(out), meta, members, lora_cfg, (card_markdown(card), card), include, overwrite)
+        write_package(Path(out), meta, members, lora_cfg, (card_markdown(card), card), include, overwrite,
+                      domain_tensors)
     finally:
         if include is not None and enc.get("random_initialisation"):
             import shutil
@@ -161,4 +185,7 @@ def run_export(method: str, cfg: Config, out: str | Path, train_root: str | Path
             shutil.rmtree(include, ignore_errors=True)
     log.info("export %s: package written to %s", method, out)
     return {"out": str(out), "members": [x["name"] for x in member_meta], "temperature": temperature,
-            "metrics": {k: float(np.round(v["macro_f1"], 6)) for k, v in metrics.items()}}
+            "metrics": {k: float(np.round(v["macro_f1"], 6)) for k, v in metrics.items()},
+            "demonstration": data["demonstration"],
+            "domain": {"calibration_images": domain["embedding"]["calibration"]["n"],
+                       "threshold": domain["embedding"]["default_threshold"]}}

@@ -10,6 +10,9 @@
 
 A method that keeps one model per client (``local_only``) is scored per model and reported as the
 mean over its models (``evaluation.mean_over_models``), per run and per seed-ensemble.
+
+Site robustness (rule ``summarize_robustness``): :func:`run_robustness`, croma's RI and APD of every run's
+representation (:mod:`fedhisto.metrics.robustness`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fedhisto.config.stage_blocks import stage_block
 from fedhisto.config.study import Config
 from fedhisto.infra.atomic import write_csv, write_json
 from fedhisto.infra.provenance import provenance_block, write_sidecar
+from fedhisto.metrics.robustness import run_robustness  # noqa: F401  (rule summarize_robustness calls it here)
 from fedhisto.stats.prediction_files import MEMBER_COLUMN, SINGLE, arrays, ensemble_members, read_rows
 from fedhisto.stats.scores import classification_metrics, mean_over_models
 

@@ -2,7 +2,10 @@
 (with that client's stain descriptor) and the external cohort (centroid descriptor).
 
 ``results/predictions/{method}/seed{seed}/{test,holdout,external}.csv`` in the format of
-:mod:`fedhisto.stats.prediction_files` (one row per image and model).
+:mod:`fedhisto.stats.prediction_files` (one row per image and model), and ``embeddings.safetensors``
+(:mod:`fedhisto.stats.embedding_files`): the global test images' adapted embeddings from the same forward
+pass, and the frozen encoder's (one extra encoder pass per job, before any member state is loaded), which
+the metrics stage's site-robustness measures read.
 A checkpoint whose dataset identity differs from the manifest's is refused; a run that failed
 validation of its report still predicts when its checkpoint tensors are usable (the study's
 FedProx seed 44 case), and says so in ``status``.
@@ -26,10 +29,11 @@ from fedhisto.methods import build_method
 from fedhisto.methods.strategy import Strategy
 from fedhisto.model.build import build_model, pick_device
 from fedhisto.model.peft_model import FedHistoModel
+from fedhisto.stats.embedding_files import EMBEDDINGS_FILE, write_embeddings
 from fedhisto.stats.prediction_files import MEMBER_COLUMN, read_predictions, write_predictions
 from fedhisto.stats.temperature import apply_temperature, fit_temperature
 from fedhisto.train.checkpoint import ResumeRefused, read_checkpoint
-from fedhisto.train.inference import predict
+from fedhisto.train.inference import frozen_embeddings, predict_with_embeddings
 from fedhisto.train.stage import descriptors_for
 
 STAGE = "predict"
@@ -106,10 +110,10 @@ def run_predict_seeds(method: str, runs: list[tuple[int, str | Path, str | Path]
         meta = {r["sample_id"]: r for r in csv.DictReader(fh)}
     # inference never touches the optimisation images: do not decode them
     parts = load_partitions(manifest_csv, cfg.views.crop_size, splits=("holdout", "test", "external"))
-    results = {}
+    results, frozen = {}, {}  # the frozen encoder's test embeddings: the same for every seed, computed once
     for seed, train_dir, out_dir in runs:
         results[seed] = _predict_run(method, seed, Path(train_dir), Path(out_dir), meta, parts, manifest_csv,
-                                     manifest_json, descriptors_json, cfg, encoder_dir)
+                                     manifest_json, descriptors_json, cfg, encoder_dir, frozen)
         log.info("predict %s seed %d: %s", method, seed,
                  ", ".join(f"{c} {n} rows" for c, n in results[seed]["images"].items()))
     return results
@@ -117,8 +121,10 @@ def run_predict_seeds(method: str, runs: list[tuple[int, str | Path, str | Path]
 
 def _predict_run(method: str, seed: int, train_dir: Path, out: Path, meta: dict, parts: dict,
                  manifest_csv: str | Path, manifest_json: str | Path, descriptors_json: str | Path, cfg: Config,
-                 encoder_dir: str | None) -> dict:
+                 encoder_dir: str | None, frozen: dict) -> dict:
     m, model, members, status, device = load_run(method, seed, train_dir, manifest_json, cfg, encoder_dir)
+    if "test" not in frozen:  # the freshly built model, no member state loaded yet: LoRA off is the frozen encoder
+        frozen["test"] = frozen_embeddings(model, parts["test"], cfg, device).numpy()
     clients = sorted({k.split(":")[0] for k in parts if k.endswith(":holdout")})
     desc = descriptors_for(m, descriptors_json, clients)
     groups = {"test": [("test", "global")], "external": [("external", "global")],
@@ -130,7 +136,7 @@ def _predict_run(method: str, seed: int, train_dir: Path, out: Path, meta: dict,
     temperatures = member_temperatures(train_dir, list(members)) if cfg.evaluate.temperature_scaling else {}
     if temperatures:
         prov["temperatures"] = temperatures
-    counts = {}
+    counts, adapted = {}, {}
     for cohort, keys in groups.items():
         rows = []
         for member, state in members.items():
@@ -139,7 +145,10 @@ def _predict_run(method: str, seed: int, train_dir: Path, out: Path, meta: dict,
                 if cohort == "holdout" and m.own_holdout and member != who:
                     continue  # a personalised model is scored on its own site's holdout only
                 split = parts[key]
-                probs = predict(model, split, desc.get(who, desc["global"]), cfg, device).numpy()
+                probs, z = predict_with_embeddings(model, split, desc.get(who, desc["global"]), cfg, device)
+                probs = probs.numpy()
+                if cohort == "test":
+                    adapted[member] = z.numpy()
                 if temperatures:
                     probs = apply_temperature(probs, temperatures[member])
                 for sid, y, p in zip(split.ids, split.labels, probs, strict=True):
@@ -152,4 +161,6 @@ def _predict_run(method: str, seed: int, train_dir: Path, out: Path, meta: dict,
         write_predictions(out / f"{cohort}.csv", rows)
         write_sidecar(out / f"{cohort}.csv", prov)
         counts[cohort] = len(rows)
+    write_embeddings(out / EMBEDDINGS_FILE, parts["test"].ids, "test", adapted, frozen["test"])
+    write_sidecar(out / EMBEDDINGS_FILE, prov)
     return {"status": status, "images": counts}

@@ -115,6 +115,9 @@ register("sensitivity", "fedhisto.records.experiment_tables:sensitivity",
 register("lora_aggregation", "fedhisto.records.experiment_tables:lora_aggregation",
          inputs=["experiments/lora_aggregation/lora_aggregation.csv"], stages=EXPERIMENTS)
 
+register("robustness", "fedhisto.metrics.robustness_reading:render", inputs=["metrics/robustness.csv"],
+         stages=TRAINED, run="robustness")
+
 # ------------------------------------------------------------------ blocks from committed records
 register("reference_differences", "fedhisto.records.reference_table:render",
          record="benchmarks/records/reference_differences.json", made_by="python benchmarks/reference_differences.py")

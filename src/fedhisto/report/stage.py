@@ -16,7 +16,9 @@ from fedhisto.config.study import BootstrapConfig, Config
 from fedhisto.infra.atomic import write_csv, write_text
 from fedhisto.infra.provenance import provenance_block, write_sidecar
 from fedhisto.manifest.targets import write_table2
+from fedhisto.metrics.robustness_reading import read_robustness_csv
 from fedhisto.report.figures import write_figures
+from fedhisto.report.robustness_view import robustness_figure, robustness_table
 from fedhisto.stats.prediction_files import MEMBER_COLUMN, read_predictions
 
 STAGE = "report"
@@ -96,14 +98,17 @@ def run_report_of_config(cfg: Config, *args, **kwargs) -> None:
 def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], communication_csv: str | Path,
                external_predictions: dict[str, list[str]], tables_dir: str | Path, figures_dir: str | Path,
                manifest_dir: str | Path | None = None, bootstrap: dict | None = None,
-               caveats: list[str] = (), method_caveats: dict[str, list[str]] | None = None) -> None:
+               caveats: list[str] = (), method_caveats: dict[str, list[str]] | None = None,
+               robustness_csv: str | Path | None = None) -> None:
     """``bootstrap``: ``seed``, ``resamples``, ``confidence`` of the figures' intervals (the
     ``bootstrap`` config block; missing keys take its defaults). Tables do not depend on it.
     ``caveats``: :func:`fedhisto.caveats.run_caveats` of the run's config, printed as
     ``CAVEAT`` notes under Tables 4 and 5 (none on the synthetic cohort: those tables as before).
     ``method_caveats``: :func:`fedhisto.caveats.method_caveats`, each method's departures from its own
     paper's assumptions: a ``caveat`` column on every row of a marked method (and of every comparison
-    with a marked arm) and a note under each table."""
+    with a marked arm) and a note under each table.
+    ``robustness_csv``: the metrics stage's site-robustness rows: ``tables/robustness`` and
+    ``figures/robustness.png`` (:mod:`fedhisto.report.robustness_view`)."""
     marks = method_caveats or {}
     warned = [f"CAVEAT: {c}" for c in caveats]
     per_site = model_notes(external_predictions)
@@ -183,3 +188,20 @@ def run_report(metrics_json: str | Path, bootstrap_jsons: list[str | Path], comm
                                        for i, f in enumerate(files)}})
     for path in sorted(figures.glob("*.png")):
         write_sidecar(path, figure_prov)
+    if robustness_csv is not None:
+        write_robustness(robustness_csv, tables, figures, interval["confidence"])
+
+
+def write_robustness(robustness_csv: str | Path, tables: Path, figures: Path, confidence: float) -> None:
+    """Site robustness: the table (per method over seeds) and the figure, each with its own sidecar."""
+    rows = read_robustness_csv(robustness_csv)
+    write_table(tables / "robustness", robustness_table(rows),
+                "Site robustness (croma): RI and APD over seeds, adapted representations and the frozen encoder",
+                ["RI: PathoROB's robustness index (1 biology only, 0 site only, 0.5 neutral); APD: average "
+                 "performance drop of a class probe as class and site are coupled (0 none, -1 collapse); "
+                 "per run and model in results/metrics/robustness.csv"])
+    robustness_figure(rows, figures / "robustness.png", confidence)
+    prov = provenance_block(STAGE, {"robustness": "table and figure", "confidence": confidence},
+                            {"robustness": robustness_csv})
+    for path in (tables / "robustness.csv", tables / "robustness.md", figures / "robustness.png"):
+        write_sidecar(path, prov)

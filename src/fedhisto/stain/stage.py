@@ -92,12 +92,19 @@ def he_check(directions: np.ndarray, min_cos: float) -> dict:
     return {"cos_hematoxylin": round(cos_h, 4), "cos_eosin": round(cos_e, 4), "he_like": min(cos_h, cos_e) >= min_cos}
 
 
+def tissue_pixels(path: str, cfg: StainConfig) -> np.ndarray:
+    """One image's tissue pixels in optical density (M x 3), at the estimator's resize."""
+    rgb = cv2.resize(load_rgb(path), (cfg.resize, cfg.resize), interpolation=cv2.INTER_AREA)
+    od = optical_density(rgb, cfg.od_reference_intensity)
+    return od[tissue_mask(od, cfg.od_background)]
+
+
 def client_descriptor(paths: list[str], cfg: StainConfig) -> dict:
-    pixels = []
-    for p in paths:
-        rgb = cv2.resize(load_rgb(p), (cfg.resize, cfg.resize), interpolation=cv2.INTER_AREA)
-        od = optical_density(rgb, cfg.od_reference_intensity)
-        pixels.append(od[tissue_mask(od, cfg.od_background)])
+    return pooled_descriptor([tissue_pixels(p, cfg) for p in paths], cfg)
+
+
+def pooled_descriptor(pixels: list[np.ndarray], cfg: StainConfig) -> dict:
+    """The descriptor of the images whose tissue pixels are ``pixels`` (:func:`tissue_pixels` each), pooled."""
     tissue = np.concatenate(pixels) if pixels else np.zeros((0, 3))
     if len(tissue) < cfg.min_tissue_pixels:
         return {"raw": fallback_descriptor(), "tissue_pixels": len(tissue),
