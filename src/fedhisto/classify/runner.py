@@ -86,7 +86,7 @@ def member_outputs(pkg: Package, images: list[np.ndarray], descriptor: np.ndarra
                    device: str = "auto") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per member, the (N x 3) uncalibrated probabilities with ``descriptor`` and the adapted embeddings with
     ``feature_descriptor`` (the package's default, the one its domain statistics were taken with): the same
-    forward pass when the two descriptors agree, a second one otherwise."""
+    forward pass when the two descriptors agree or no feature descriptor is given, a second one otherwise."""
     from fedhisto.model.build import device_for
     from fedhisto.train.inference import predict_with_embeddings
 
@@ -96,7 +96,8 @@ def member_outputs(pkg: Package, images: list[np.ndarray], descriptor: np.ndarra
     split = Split([str(i) for i in range(len(images))], [0] * len(images), images)
     desc = None if descriptor is None else torch.tensor(descriptor, dtype=torch.float32)
     fdesc = None if feature_descriptor is None else torch.tensor(feature_descriptor, dtype=torch.float32)
-    same = (desc is None and fdesc is None) or (desc is not None and fdesc is not None and torch.equal(desc, fdesc))
+    # no feature descriptor asked for (probabilities only): the embeddings are those of the same pass
+    same = fdesc is None or (desc is not None and torch.equal(desc, fdesc))
     cfg = eval_settings(pkg)
     probs, feats = {}, {}
     with Progress(len(pkg.members), "classify: members", "model") as bar:

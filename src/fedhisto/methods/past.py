@@ -316,13 +316,12 @@ class PastFamily(Strategy):
         if self.aggregation == "adaptive":
             update = ("s (B_k A_k - B A) per LoRA module" if self.cfg.train.readings.adaptive_on == "delta_w"
                       else "LoRA factor deltas")
-            learns += [f"S = sum_k D_k, the unweighted sum of the sites' updates D_k ({update}, adapter, FiLM and "
-                       "classifier deltas), which every site also receives",
-                       "per site: ||D_k||^2 and D_k . S (its adaptive weight's inputs)"]
+            learns += [f"S = sum_k D_k, the sites' summed updates ({update}, adapter, FiLM, classifier), sent to "
+                       "every site", "per site ||D_k||^2 and D_k . S"]
             rounds, least = rounds + 1, 4  # with 3 sites, S and the weighted sum let a site solve for each other site
         if self.prototypes != "none":
-            learns.append("per class: the summed sqrt(n_kc)-weighted centroids, the summed weights and weighted squared "
-                          "norms, the class's image count and how many sites hold it")
+            learns.append("per class the sqrt(n_kc)-weighted sums of centroids, weights and squared norms, its image "
+                          "count and how many sites hold it")
             rounds += 1
         return SecureAggregation(True, "statistics" if self.aggregation == "adaptive" else "public_counts", summed,
                                  tuple(learns), masked_sums=rounds, min_sites=least)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -107,29 +108,28 @@ def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
         sizes = [round_bytes(method, model_of(enc, name, mc)) for enc, mc in (("tiny", cfg.model),
                                                                               ("hibou-b", ModelConfig()))]
         masked = f"{_mib(sizes[0][0])} / {_mib(sizes[1][0])} ({_mib(sizes[0][1])} / {_mib(sizes[1][1])})"
-        sums = [f"weights x ({decl.summed})"]
+        sums = [f"w_k x ({decl.summed})"]
         if decl.weights == "statistics":
-            sums.insert(0, "the updates D_k (unweighted)")
+            sums.insert(0, "D_k")
         if decl.masked_sums > len(sums):
-            sums.append("the post-aggregation uploads' terms")
-        how = {"public_counts": "sample-mass weights from the stated counts", "uniform": "uniform weights",
-               "statistics": "weights from the statistics (a first masked sum)"}[decl.weights]
-        runs = f"yes; {how}; masked sums per round: " + "; ".join(f"({i}) {x}" for i, x in enumerate(sums, 1))
+            sums.append("post-aggregation uploads")
+        how = {"public_counts": "w_k from the stated counts", "uniform": "uniform w_k",
+               "statistics": "w_k from a first masked sum"}[decl.weights]
+        runs = f"yes; {how}; masked sums: " + "; ".join(f"({i}) {x}" for i, x in enumerate(sums, 1))
         learns = "; ".join(x for x in decl.learns if x != PUBLIC_COUNTS) or "nothing more"
-        diff = f"<= {bound:.1e} per averaged value ({sites} sites)"
+        diff = f"<= {bound:.1e} per value"
         if "s B_k A_k" in decl.summed and "A_k, B_k" not in decl.summed:  # refactorised from the dense sum
-            diff += "; LoRA factors the same up to the sign of each singular direction"
+            diff += "; factors up to sign"
         if decl.weights == "statistics":
-            diff += "; weights computed from the quantised sum S"
+            diff += "; w_k from the quantised S"
         least = max(2, decl.min_sites, threshold)
-        rows.setdefault(f"{runs} | {learns} | {masked} | {diff} | {max(sites - least, 0)} of {sites} "
-                        f"(at least {least} must remain)", []).append(name)
+        rows.setdefault(f"{runs} | {learns} | {masked} | {diff} | {max(sites - least, 0)} of {sites}",
+                        []).append(name)
     # methods whose declarations give the same cells share one row (the ablations, the FedAvg-style family)
-    lines = ["| methods | runs under secure aggregation | what the coordinator learns (where it runs: beyond the "
-             "weighted sum over the sites that answered and each site's sample count n_k, public since site "
-             "preparation) | masked upload per site and "
-             "round, MiB: tiny / HIBOU-B (the trainable state, for scale) | difference from the in-process "
-             "aggregate | sites a masked sum may lose |", "|---|---|---|---|---|---|"]
+    lines = [f"| methods | runs under secure aggregation | what the coordinator learns beyond the weighted sum over "
+             f"the sites that answered and each site's sample count n_k (public) | masked upload per site and round, "
+             f"MiB: tiny / HIBOU-B (trainable state) | difference from the in-process aggregate ({sites} sites) | "
+             f"sites a sum may lose |", "|---|---|---|---|---|---|"]
     lines += [f"| {', '.join(names)} | {cells} |" for cells, names in rows.items()]
     return "\n".join(lines) + "\n"
 
@@ -146,6 +146,18 @@ def render_secure_aggregation() -> str:
     from fedhisto.config.study import load_config
 
     return secure_aggregation_table(load_config({"model": TINY_MODEL}), sites=5)
+
+
+def render_what_the_coordinator_learns() -> str:
+    """The federation guide's view of the same table: who runs, what the coordinator learns, the dropouts
+    (the traffic and precision columns stay in the methods guide's ``secure_aggregation`` block)."""
+    lines = render_secure_aggregation().splitlines()
+    out = ["| methods | runs | what the coordinator learns beyond the weighted sum and the counts n_k | sites a sum "
+           "may lose |", "|---|---|---|---|"]
+    for row in lines[2:]:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        out.append(f"| {cells[0]} | {re.split(r'[;:]', cells[1])[0]} | {cells[2]} | {cells[5]} |")
+    return "\n".join(out) + "\n"
 
 
 def with_block(text: str, name: str, body: str) -> str:

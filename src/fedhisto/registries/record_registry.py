@@ -128,3 +128,5 @@ register("first_command_timing", "fedhisto.records.first_command:render",
 
 # ------------------------------------------------------------------ blocks from the code
 register("secure_aggregation", "fedhisto.methods.secure_table:render_secure_aggregation", from_code=True)
+register("secure_aggregation_learns", "fedhisto.methods.secure_table:render_what_the_coordinator_learns",
+         from_code=True)

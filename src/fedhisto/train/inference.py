@@ -37,7 +37,7 @@ def predict_with_embeddings(model: FedHistoModel, data: Split, descriptor: torch
 
 @torch.no_grad()
 def frozen_embeddings(model: FedHistoModel, data: Split, cfg: Config, device: torch.device) -> torch.Tensor:
-    """The frozen encoder's pooled embedding (N x dim): LoRA switched off through peft's own switch
+    """The frozen encoder's embedding (N x dim, what the head reads): LoRA switched off through peft's own switch
     (``BaseTunerLayer.enable_adapters``), so the pass is the pretrained encoder as every method received it.
     A model whose frozen weights carry folded LoRA offsets (FedEx-LoRA) is not the frozen encoder: refused."""
     from peft.tuners.tuners_utils import BaseTunerLayer
