@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import pathlib
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY, train
-from PIL import Image
+from test_site_cache import _manifest  # a one-site manifest of small images
 
 from fedhisto.config.study import load_config
 
@@ -88,26 +87,11 @@ def test_a_checkpoint_write_refuses_what_a_safe_read_could_not_read_back(tmp_pat
     assert not (tmp_path / "c.pt").exists()
 
 
-def _manifest(tmp: Path, n: int = 3) -> Path:
-    rows = []
-    for i in range(n):
-        path = tmp / f"img{i}.png"
-        Image.fromarray(np.full((20, 30, 3), 40 * i, dtype=np.uint8)).save(path)
-        rows.append({"sample_id": f"{i:016x}", "path": str(path), "label": ("ACA", "Normal", "SCC")[i % 3],
-                     "client": "C1", "split": "optimisation"})
-    out = tmp / "manifest.csv"
-    with out.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return out
-
-
 def test_a_crafted_file_in_a_sites_image_cache_is_never_unpickled(tmp_path, monkeypatch):
     import fedhisto.federation.site as site_mod
     from fedhisto.federation.site import load_site_split
 
-    manifest, cache = _manifest(tmp_path), tmp_path / "cache"
+    manifest, cache = _manifest(tmp_path, n=3), tmp_path / "cache"
     monkeypatch.setattr(site_mod, "_DATA", {})
     first = load_site_split(str(manifest), "C1", "optimisation", 16, str(cache))
     (written,) = list(cache.iterdir())

@@ -257,8 +257,11 @@ def test_fedadam_from_masked_means_is_its_step_on_the_sites_states(prepared: dic
 
 
 # ------------------------------------------------------------------ in-process rounds
-def _recording(monkeypatch, cls) -> list:
-    """Record the sites' states, counts and weights the in-process (non-secure) aggregation receives."""
+def _plain_round(prepared, tmp_path, monkeypatch, method, cls) -> dict:
+    """One round of ``method`` without secure aggregation, recording the sites' states, starts and counts its
+    in-process aggregation (``cls.aggregate_train``) receives."""
+    from conftest import train
+
     seen = []
     original = cls.aggregate_train
 
@@ -268,7 +271,9 @@ def _recording(monkeypatch, cls) -> list:
         return original(self, update, model)
 
     monkeypatch.setattr(cls, "aggregate_train", spy)
-    return seen
+    train(prepared, method, tmp_path / "plain", secure_cfg(prepared, (method,), secure=False))
+    monkeypatch.undo()
+    return seen[0]
 
 
 def _secure_global(prepared, method, tmp_path, **settings):
@@ -310,15 +315,12 @@ def _reference(states: dict, weights: dict) -> dict:
 
 
 def test_an_in_process_secure_round_of_fedavg_peft_is_equation_5_on_the_sites_states(prepared, tmp_path, monkeypatch):
-    from conftest import train
 
     from fedhisto.methods.past import PastFamily
 
-    seen = _recording(monkeypatch, PastFamily)
-    train(prepared, "fedavg_peft", tmp_path / "plain", secure_cfg(prepared, ("fedavg_peft",), secure=False))
-    monkeypatch.undo()
+    seen = _plain_round(prepared, tmp_path, monkeypatch, "fedavg_peft", PastFamily)
     ckpt = _secure_global(prepared, "fedavg_peft", tmp_path)
-    states, counts = seen[0]["states"], seen[0]["counts"]
+    states, counts = seen["states"], seen["counts"]
     weights = {n: counts[n] / sum(counts.values()) for n in counts}
     row = ckpt["history"][0]
     assert row["weights"] == pytest.approx(weights, abs=1e-15)
@@ -330,18 +332,15 @@ def test_an_in_process_secure_round_of_fedavg_peft_is_equation_5_on_the_sites_st
 
 def test_an_in_process_secure_round_of_past_v2_is_equations_4_and_5_and_its_prototypes(prepared, tmp_path,
                                                                                          monkeypatch):
-    from conftest import train
 
     from fedhisto.data.splits import load_partitions
     from fedhisto.methods import build_method
     from fedhisto.methods.past import PastFamily
     from fedhisto.model.build import build_model
 
-    seen = _recording(monkeypatch, PastFamily)
-    train(prepared, "past_v2", tmp_path / "plain", secure_cfg(prepared, ("past_v2",), secure=False))
-    monkeypatch.undo()
+    seen = _plain_round(prepared, tmp_path, monkeypatch, "past_v2", PastFamily)
     ckpt = _secure_global(prepared, "past_v2", tmp_path)
-    states, starts, counts = seen[0]["states"], seen[0]["starts"], seen[0]["counts"]
+    states, starts, counts = seen["states"], seen["starts"], seen["counts"]
     names = sorted(states)
     d = np.stack([torch.cat([(states[n][k].double() - starts[n][k].double()).flatten() for k in sorted(starts[n])])
                   .numpy() for n in names])
@@ -368,16 +367,13 @@ def test_an_in_process_secure_round_of_past_v2_is_equations_4_and_5_and_its_prot
 
 
 def test_an_in_process_secure_round_of_fedex_lora_folds_the_exact_weighted_product(prepared, tmp_path, monkeypatch):
-    from conftest import train
 
     from fedhisto.fedmath.lora_aggregators.fold import folded_key
     from fedhisto.methods.lora_aggregated import LoraAggregated
 
-    seen = _recording(monkeypatch, LoraAggregated)
-    train(prepared, "fedex_lora", tmp_path / "plain", secure_cfg(prepared, ("fedex_lora",), secure=False))
-    monkeypatch.undo()
+    seen = _plain_round(prepared, tmp_path, monkeypatch, "fedex_lora", LoraAggregated)
     ckpt = _secure_global(prepared, "fedex_lora", tmp_path)
-    states, counts = seen[0]["states"], seen[0]["counts"]
+    states, counts = seen["states"], seen["counts"]
     weights = {n: counts[n] / sum(counts.values()) for n in counts}
     ref = _reference(states, weights)
     got = ckpt["members"]["global"]

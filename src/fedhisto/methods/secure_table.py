@@ -76,9 +76,11 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.3f}"
 
 
-def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
-    """The markdown table (see the module docstring) for ``cfg`` (the tiny encoder's model settings and
-    the secure-aggregation settings) with ``sites`` sites, every one returning."""
+def secure_aggregation_rows(cfg: Any, sites: int = 5) -> list[tuple[str, ...]]:
+    """The table's rows for ``cfg`` (the tiny encoder's model settings and the secure-aggregation settings)
+    with ``sites`` sites, every one returning: (methods, runs, learns, masked MiB, difference, sites a sum
+    may lose); methods whose declarations give the same cells share one row (the ablations, the FedAvg-style
+    family), in registry order."""
     from fedhisto.config.study import ModelConfig
     from fedhisto.fedmath.secure_sums import Quantiser, mean_bound
     from fedhisto.methods import build_method, method_names, registration
@@ -95,15 +97,16 @@ def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
             models[key] = meta_model(encoder, name, model_cfg)
         return models[key]
 
-    rows: dict[str, list[str]] = {}  # a row's cells after the first -> the methods sharing them, in registry order
+    rows: dict[tuple[str, ...], list[str]] = {}  # a row's cells after the first -> the methods sharing them
     for name in method_names():
         method = build_method(name, cfg)
         decl = method.secure_aggregation()
         if not decl.runs:
-            rows.setdefault(f"no | refused: {decl.refusal.replace(name, 'it')} | - | - | -", []).append(name)
+            rows.setdefault(("no", f"refused: {decl.refusal.replace(name, 'it')}", "-", "-", "-"), []).append(name)
             continue
         if not decl.exchanges:
-            rows.setdefault(f"not applicable: runs as without | {'; '.join(decl.learns)} | none | none | -", []).append(name)
+            rows.setdefault(("not applicable: runs as without", "; ".join(decl.learns), "none", "none", "-"),
+                            []).append(name)
             continue
         sizes = [round_bytes(method, model_of(enc, name, mc)) for enc, mc in (("tiny", cfg.model),
                                                                               ("hibou-b", ModelConfig()))]
@@ -123,15 +126,21 @@ def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
         if decl.weights == "statistics":
             diff += "; w_k from the quantised S"
         least = max(2, decl.min_sites, threshold)
-        rows.setdefault(f"{runs} | {learns} | {masked} | {diff} | {max(sites - least, 0)} of {sites}",
-                        []).append(name)
-    # methods whose declarations give the same cells share one row (the ablations, the FedAvg-style family)
-    lines = [f"| methods | runs under secure aggregation | what the coordinator learns beyond the weighted sum over "
-             f"the sites that answered and each site's sample count n_k (public) | masked upload per site and round, "
-             f"MiB: tiny / HIBOU-B (trainable state) | difference from the in-process aggregate ({sites} sites) | "
-             f"sites a sum may lose |", "|---|---|---|---|---|---|"]
-    lines += [f"| {', '.join(names)} | {cells} |" for cells, names in rows.items()]
-    return "\n".join(lines) + "\n"
+        rows.setdefault((runs, learns, masked, diff, f"{max(sites - least, 0)} of {sites}"), []).append(name)
+    return [(", ".join(names), *cells) for cells, names in rows.items()]
+
+
+def _markdown(header: list[str], rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def secure_aggregation_table(cfg: Any, sites: int = 5) -> str:
+    """The markdown table (see the module docstring) of ``secure_aggregation_rows(cfg, sites)``."""
+    return _markdown(["methods", "runs under secure aggregation", "what the coordinator learns beyond the weighted "
+                      "sum over the sites that answered and each site's sample count n_k (public)", "masked upload "
+                      "per site and round, MiB: tiny / HIBOU-B (trainable state)", "difference from the in-process "
+                      f"aggregate ({sites} sites)", "sites a sum may lose"], secure_aggregation_rows(cfg, sites))
 
 
 #: The name of the generated block in docs/methods.md.
@@ -140,24 +149,25 @@ BLOCK = "secure_aggregation"
 TINY_MODEL = {"encoder": {"name": "tiny", "require_pretrained": False}, "adapter_hidden": 32, "film_hidden": 32}
 
 
-def render_secure_aggregation() -> str:
-    """The block as the guides hold it: every registered method, five sites, the default secure-aggregation
-    settings, the embedded default's tiny model and the study's HIBOU-B model."""
+def _guide_config() -> Any:
+    """Every registered method, the default secure-aggregation settings, the embedded default's tiny model
+    (and, in the traffic column, the study's HIBOU-B model)."""
     from fedhisto.config.study import load_config
 
-    return secure_aggregation_table(load_config({"model": TINY_MODEL}), sites=5)
+    return load_config({"model": TINY_MODEL})
+
+
+def render_secure_aggregation() -> str:
+    """The methods guide's block: the whole table, five sites."""
+    return secure_aggregation_table(_guide_config(), sites=5)
 
 
 def render_what_the_coordinator_learns() -> str:
-    """The federation guide's view of the same table: who runs, what the coordinator learns, the dropouts
+    """The federation guide's view of the same rows: who runs, what the coordinator learns, the dropouts
     (the traffic and precision columns stay in the methods guide's ``secure_aggregation`` block)."""
-    lines = render_secure_aggregation().splitlines()
-    out = ["| methods | runs | what the coordinator learns beyond the weighted sum and the counts n_k | sites a sum "
-           "may lose |", "|---|---|---|---|"]
-    for row in lines[2:]:
-        cells = [c.strip() for c in row.strip("|").split(" | ")]
-        out.append(f"| {cells[0]} | {re.split(r'[;:]', cells[1])[0]} | {cells[2]} | {cells[5]} |")
-    return "\n".join(out) + "\n"
+    rows = secure_aggregation_rows(_guide_config(), sites=5)
+    return _markdown(["methods", "runs", "what the coordinator learns beyond the weighted sum and the counts n_k",
+                      "sites a sum may lose"], [(r[0], re.split(r"[;:]", r[1])[0], r[2], r[5]) for r in rows])
 
 
 def with_block(text: str, name: str, body: str) -> str:
